@@ -1,0 +1,21 @@
+"""The inference engine: Llama-family model, paged KV cache, continuous batching, batched multi-LoRA,
+speculative LoRA-off drafting."""
+
+from .async_engine import AsyncLLMEngine
+from .config import EngineConfig, SpecConfig
+from .llm_engine import LLMEngine
+from .lora_adapter import AdapterError
+from .model_config import ModelLoadError
+from .sampling_params import SamplingParams
+from .sequence import RequestOutput
+
+__all__ = [
+    "AdapterError",
+    "AsyncLLMEngine",
+    "EngineConfig",
+    "LLMEngine",
+    "ModelLoadError",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecConfig",
+]

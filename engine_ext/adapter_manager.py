@@ -1,0 +1,130 @@
+"""Which adapters the engine knows, which are parsed in host memory (LRU, `max_cpu_loras`) and which
+sit in device slots. Parsing from disk happens off the step loop; the step loop only copies one
+adapter into a slot per step, so a cold adapter never stalls other requests longer than that copy."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .adapter_slots import AdapterSlots
+from .lora_adapter import AdapterError, LoRAWeights, load_lora_adapter
+from .model_config import ModelSpec
+
+
+@dataclass
+class AdapterCounters:
+    requests: int = 0
+    tokens: int = 0
+    loads: int = 0  # copies into a device slot
+    hits: int = 0  # requests that found the adapter already in a slot
+    disk_loads: int = 0
+
+
+class AdapterManager:
+    def __init__(self, spec: ModelSpec, model_dir: str, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.spec, self.model_dir, self.max_rank = spec, model_dir, max_rank
+        self.dtype, self.device = dtype, device
+        self.max_cpu_loras = max_cpu_loras
+        self.slots = AdapterSlots(spec, max_loras, max_rank, dtype, device)
+        self.paths: dict[str, str] = {}
+        self.pinned: set[str] = set()
+        self.counters: dict[str, AdapterCounters] = {}
+        self._host: OrderedDict[str, LoRAWeights] = OrderedDict()
+        self._loading: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
+
+    # ------------------------------------------------------------ registration (any thread)
+    def add(self, name: str, path: str, pinned: bool = False) -> LoRAWeights:
+        if not name or not isinstance(name, str):
+            raise AdapterError(str(name), "adapter name must be a non-empty string")
+        weights = self._parse(name, path)
+        with self._lock:
+            self.paths[name] = path
+            self.counters.setdefault(name, AdapterCounters())
+            if pinned:
+                self.pinned.add(name)
+            self._put_host(weights)
+        return weights
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self.paths.pop(name, None)
+            self.pinned.discard(name)
+            self._host.pop(name, None)
+
+    def known(self, name: str) -> bool:
+        return name in self.paths
+
+    def _parse(self, name: str, path: str) -> LoRAWeights:
+        w = load_lora_adapter(name, path, self.spec, self.max_rank, self.model_dir)
+        pin = self.device.type == "cuda"
+        for d in (w.a, w.b):
+            for k, t in d.items():
+                t = t.to(self.dtype)
+                d[k] = t.pin_memory() if pin else t
+        return w
+
+    def _put_host(self, weights: LoRAWeights) -> None:
+        self._host[weights.name] = weights
+        self._host.move_to_end(weights.name)
+        while len(self._host) > self.max_cpu_loras:
+            victim = next((n for n in self._host if n not in self.pinned and n != weights.name), None)
+            if victim is None:
+                break
+            del self._host[victim]
+
+    # ------------------------------------------------------------ step loop
+    def slot_of(self, name: str | None) -> int:
+        if name is None:
+            return self.slots.zero_slot
+        slot = self.slots.slot_of(name)
+        assert slot is not None, f"adapter {name!r} is not in a device slot"
+        return slot
+
+    def try_activate(self, name: str, busy: set[str]) -> bool:
+        """Make `name` resident if possible now. False: not yet (slots busy, or parsing in background)."""
+        if self.slots.slot_of(name) is not None:
+            self.slots.policy.touch(name)
+            return True
+        if not self.slots.can_activate(name, busy | self.pinned):
+            return False
+        with self._lock:
+            weights = self._host.get(name)
+            if weights is not None:
+                self._host.move_to_end(name)
+            elif name not in self._loading and name in self.paths:
+                self._loading[name] = self._pool.submit(self._reload, name, self.paths[name])
+        if weights is None:
+            return False
+        self.slots.activate(weights, busy | self.pinned)
+        self.counters[name].loads += 1
+        return True
+
+    def _reload(self, name: str, path: str) -> None:
+        try:
+            weights = self._parse(name, path)
+            with self._lock:
+                if name in self.paths:
+                    self._put_host(weights)
+                    self.counters[name].disk_loads += 1
+        finally:
+            with self._lock:
+                self._loading.pop(name, None)
+
+    def evict_unknown(self, busy: set[str]) -> None:
+        """Free the slots of removed adapters once nothing running uses them."""
+        for name in self.slots.resident:
+            if name not in self.paths and name not in busy:
+                self.slots.deactivate(name)
+
+    @property
+    def host_resident(self) -> list[str]:
+        with self._lock:
+            return list(self._host)

@@ -1,0 +1,125 @@
+"""AsyncLLMEngine: the same `step()` loop on a background thread, with asyncio streams per request."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+from .sampling_params import SamplingParams
+from .sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+_FAILED = object()
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # serialises engine mutations from other threads with step()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while not self._stopped:
+            while not self._commands.empty():
+                self._commands.get()()
+            if not self.engine.has_unfinished_requests:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                with self._lock:
+                    outs = self.engine.step()
+            except Exception as e:  # never die silently: fail every open stream, keep the loop alive
+                logger.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outs:
+                self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.engine.seqs):
+            self.engine.abort_request(rid)
+            self.engine.seqs.pop(rid, None)
+            self._deliver(rid, (_FAILED, error))
+
+    def _submit(self, fn) -> None:
+        self._commands.put(fn)
+        self._wake.set()
+
+    # ------------------------------------------------------------ public API
+    async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+                       sampling_params: SamplingParams | None = None, adapter_name: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or f"areq-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        added = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, prompt_token_ids, sampling_params, adapter_name)
+                loop.call_soon_threadsafe(added.set_result, None)
+            except Exception as e:
+                loop.call_soon_threadsafe(added.set_exception, e)
+
+        try:
+            self._submit(add)
+            await added  # validation errors surface here, before any token
+            while True:
+                item = await q.get()
+                if isinstance(item, tuple) and item and item[0] is _FAILED:
+                    raise RuntimeError(f"engine failed while serving {request_id}: {item[1]}")
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not added.done() or added.cancelled() or added.exception() is None:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    def add_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        # Parsing runs on the caller's thread; only the registration takes the engine lock.
+        self.engine.add_adapter(name, path, pinned)
+
+    def remove_adapter(self, name: str) -> None:
+        with self._lock:
+            self.engine.remove_adapter(name)
+
+    def has_adapter(self, name: str) -> bool:
+        return self.engine.has_adapter(name)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)

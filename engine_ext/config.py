@@ -1,0 +1,65 @@
+"""Engine configuration: dataclasses that validate and derive in __post_init__."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class SpecConfig:
+    """Speculative LoRA-off drafting: the base model drafts, one adapter-on pass verifies."""
+
+    num_draft_tokens: int = 4
+    gate: bool = True
+    # Gate tuning: the acceptance below which an adapter drafts nothing, and the EMA weight of new
+    # observations in the running acceptance rate.
+    min_acceptance: float = 0.3
+    acceptance_ema: float = 0.1
+    initial_acceptance: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be in 1..16, got {self.num_draft_tokens}")
+        if not 0.0 <= self.min_acceptance <= 1.0 or not 0.0 < self.acceptance_ema <= 1.0:
+            raise ValueError("min_acceptance must be in [0, 1] and acceptance_ema in (0, 1]")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = 8  # adapter slots on the device
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 64  # adapters kept parsed in host memory (LRU)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float | None = None  # None: 0.5 GiB on CPU, 85% of free memory on a GPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    lora_backend: str = "torch"  # name of the batched LoRA op (see lora_ops.py)
+    speculative: SpecConfig | None = None
+    torch_dtype: torch.dtype = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.torch_dtype = _DTYPES[self.dtype]
+        if not os.path.isdir(self.model):
+            raise FileNotFoundError(f"model directory not found: {self.model}")
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "block_size", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras (device slots are filled from the host cache)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if isinstance(self.speculative, dict):
+            self.speculative = SpecConfig(**self.speculative)

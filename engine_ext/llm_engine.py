@@ -1,0 +1,219 @@
+"""The synchronous engine: `step()` = schedule -> run -> postprocess; `generate()` loops over it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+import torch
+
+from .adapter_manager import AdapterManager
+from .batch import SeqWork
+from .block_manager import BlockManager, blocks_for
+from .config import EngineConfig
+from .lora_adapter import AdapterError
+from .model_config import load_model_spec
+from .model_runner import ModelRunner
+from .output_processor import OutputProcessor
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str):
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.spec = load_model_spec(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        self.runner = ModelRunner(config, self.spec, self.device)
+        self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
+                                       config.max_lora_rank, config.torch_dtype, self.device)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.seqs: dict[str, Sequence] = {}
+        self.base_counters = {"requests": 0, "tokens": 0}
+        self.num_steps = 0
+        self._ids = itertools.count()
+        self.speculator = None
+        if config.speculative is not None:
+            from .speculative import Speculator
+
+            self.speculator = Speculator(self, config.speculative)
+
+    # ---------------------------------------------------------------- adapters
+    def add_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Parse, validate and cache an adapter in host memory. Raises AdapterError (a ValueError)."""
+        self.adapters.add(name, path, pinned)
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.remove(name)
+
+    def has_adapter(self, name: str) -> bool:
+        return self.adapters.known(name)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str | None = None, prompt: str | None = None,
+                    prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None,
+                    adapter_name: str | None = None) -> str:
+        params = sampling_params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None or self.tokenizer is None:
+                raise ValueError("give prompt_token_ids, or a text prompt for a model with a tokenizer")
+            prompt_token_ids = self.tokenizer(prompt)["input_ids"]
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.spec.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}")
+        lookahead = self.speculator.lookahead if self.speculator else 0
+        if blocks_for(len(prompt_token_ids) + 1 + lookahead, self.config.block_size) > self.blocks.num_blocks:
+            raise ValueError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a model with a tokenizer")
+        if adapter_name is not None and not self.adapters.known(adapter_name):
+            raise AdapterError(adapter_name, "unknown adapter (add it with add_adapter first)")
+        seq = Sequence(request_id, prompt_token_ids, params, adapter_name)
+        if params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        if adapter_name is None:
+            self.base_counters["requests"] += 1
+        else:
+            self.adapters.counters[adapter_name].requests += 1
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished or any(s.finished for s in self.seqs.values())
+
+    # ---------------------------------------------------------------- the loop
+    def step(self) -> list[RequestOutput]:
+        self._fail_orphans()
+        if self.speculator is not None and self.speculator.should_run():
+            touched = self.speculator.cycle()
+        else:
+            touched = self._plain_step()
+        self.num_steps += 1
+        return self._emit(touched)
+
+    def _plain_step(self) -> list[Sequence]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        work = [self.work_item(s) for s in batch.seqs]
+        logits = self.runner.run(work, self.adapters.slots)
+        tokens = sample(logits, [s.params for s in batch.seqs], [s.generator for s in batch.seqs], self.generator)
+        for seq, token, row in zip(batch.seqs, tokens.tolist(), logits):
+            seq.num_computed = seq.num_tokens
+            self.commit(seq, token, row)
+        return batch.seqs
+
+    def work_item(self, seq: Sequence, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
+        """Compute every position not yet in the cache, plus `extra` tokens appended after them."""
+        return SeqWork(token_ids=seq.token_ids[seq.num_computed :] + list(extra), start=seq.num_computed,
+                       block_table=seq.block_table, lora_slot=self.adapters.slot_of(seq.adapter),
+                       num_logits=num_logits)
+
+    def commit(self, seq: Sequence, token: int, logits: torch.Tensor | None = None) -> bool:
+        """Append a final token to a sequence; True if it finished."""
+        if seq.adapter is None:
+            self.base_counters["tokens"] += 1
+        else:
+            self.adapters.counters[seq.adapter].tokens += 1
+        if self.outputs.append(seq, token, logits):
+            self.scheduler.finish(seq)
+            return True
+        return False
+
+    def _fail_orphans(self) -> None:
+        for seq in list(self.scheduler.waiting):
+            if seq.adapter is not None and not self.adapters.known(seq.adapter):
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self.adapters.evict_unknown(self.scheduler.busy_adapters())
+
+    def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:
+        outs, seen = [], set()
+        for seq in touched + [s for s in self.seqs.values() if s.finished]:
+            if seq.request_id in seen:
+                continue
+            seen.add(seq.request_id)
+            outs.append(self.outputs.output(seq, seq.finished))
+            if seq.finished:
+                self.seqs.pop(seq.request_id, None)
+        return outs
+
+    def generate(self, prompts: list[str] | None = None, prompt_token_ids: list[list[int]] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 adapter_names: list[str | None] | None = None) -> list[RequestOutput]:
+        n = len(prompts) if prompts is not None else len(prompt_token_ids)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * n
+        adapters = adapter_names or [None] * n
+        ids = []
+        for i in range(n):
+            ids.append(self.add_request(
+                prompt=prompts[i] if prompts is not None else None,
+                prompt_token_ids=prompt_token_ids[i] if prompt_token_ids is not None else None,
+                sampling_params=params[i], adapter_name=adapters[i]))
+        final: dict[str, RequestOutput] = {}
+        while len(final) < n:
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        adapters = {}
+        for name, c in list(self.adapters.counters.items()):
+            entry = dict(vars(c))
+            if self.speculator is not None:
+                entry.update(self.speculator.adapter_stats(name))
+            adapters[name] = entry
+        out = {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "free_kv_blocks": self.blocks.num_free,
+            "total_kv_blocks": self.blocks.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "device_adapters": self.adapters.slots.resident,
+            "host_adapters": self.adapters.host_resident,
+            "base": dict(self.base_counters),
+            "adapters": adapters,
+        }
+        if self.speculator is not None:
+            out["speculative"] = self.speculator.global_stats()
+        return out

@@ -1,0 +1,111 @@
+"""Continuous batching: which sequences run this step, admitting and preempting between steps."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .adapter_manager import AdapterManager
+from .block_manager import BlockManager
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """FCFS with preemption by recompute. Each step: make room for every running sequence (preempting
+    the newest when blocks run out), then admit waiting requests while blocks, sequence slots, the
+    token budget and adapter slots allow. At most one adapter is copied into a device slot per step."""
+
+    def __init__(self, blocks: BlockManager, adapters: AdapterManager, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.adapters = adapters
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def busy_adapters(self) -> set[str]:
+        return {s.adapter for s in self.running if s.adapter is not None}
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop its KV, keep its tokens (prompt + generated) as the new prefill."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+
+    def ensure_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Reserve blocks for `num_tokens` positions of a running sequence, preempting the newest
+        running sequences if needed. False if `seq` itself had to be preempted."""
+        while not self.blocks.can_allocate(seq.block_table, num_tokens):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.allocate(seq.block_table, num_tokens)
+        return True
+
+    def schedule(self, lookahead: int = 0) -> ScheduledBatch:
+        """`lookahead`: extra positions to reserve per running sequence (speculative drafts)."""
+        batch = ScheduledBatch()
+        preempted_before = self.num_preemptions
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is SeqStatus.RUNNING:
+                self.ensure_room(seq, seq.num_tokens + lookahead)
+        batch.seqs = sorted(self.running, key=lambda s: s.arrival)
+        batch.num_preempted = self.num_preemptions - preempted_before
+        if batch.num_preempted:
+            return batch  # memory is tight: let the running ones progress before admitting more
+
+        budget = self.max_num_batched_tokens - len(batch.seqs) * (1 + lookahead)
+        copied = False
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            need = seq.num_tokens - seq.num_computed
+            if need > budget and batch.seqs:
+                break
+            if not self.blocks.can_allocate(seq.block_table, seq.num_tokens + lookahead):
+                break  # keep FCFS for memory; a later, smaller request must not starve this one
+            if seq.adapter is not None:
+                resident = self.adapters.slots.slot_of(seq.adapter) is not None
+                if not resident and (copied or not self.adapters.try_activate(seq.adapter, self.busy_adapters())):
+                    continue  # its adapter is not ready: let requests behind it go first
+                copied |= not resident
+                counters = self.adapters.counters[seq.adapter]
+                counters.hits += resident
+            self.blocks.allocate(seq.block_table, seq.num_tokens + lookahead)
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            budget -= need
+        return batch

@@ -1,0 +1,73 @@
+"""One request's state as the scheduler and engine see it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # positions whose KV is in the cache and final (written by the adapter-on model)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    text_is_final: bool = False  # set when a stop string cut the text
+    num_emitted_tokens: int = 0  # tokens already handed to the caller
+    num_emitted_chars: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)  # only with params.return_logits
+    arrival: int = field(default_factory=lambda: next(_arrival))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens - self.num_computed > 1
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str
+    new_token_ids: list[int]  # generated since the previous output of this request
+    delta_text: str
+    finished: bool
+    finish_reason: str | None
+    adapter: str | None = None
+    logits: torch.Tensor | None = None  # [len(token_ids), vocab] with params.return_logits
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
