@@ -39,6 +39,7 @@ class AdapterManager:
         self._loading: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
+        self.removals = 0  # bumps on every remove(), so the engine knows when to look for orphans
 
     # ------------------------------------------------------------ registration (any thread)
     def add(self, name: str, path: str, pinned: bool = False) -> LoRAWeights:
@@ -58,6 +59,7 @@ class AdapterManager:
             self.paths.pop(name, None)
             self.pinned.discard(name)
             self._host.pop(name, None)
+            self.removals += 1
 
     def known(self, name: str) -> bool:
         return name in self.paths
@@ -118,11 +120,16 @@ class AdapterManager:
             with self._lock:
                 self._loading.pop(name, None)
 
-    def evict_unknown(self, busy: set[str]) -> None:
-        """Free the slots of removed adapters once nothing running uses them."""
+    def evict_unknown(self, busy: set[str]) -> bool:
+        """Free the slots of removed adapters nothing running uses; True when none is left to free."""
+        done = True
         for name in self.slots.resident:
-            if name not in self.paths and name not in busy:
-                self.slots.deactivate(name)
+            if name not in self.paths:
+                if name in busy:
+                    done = False
+                else:
+                    self.slots.deactivate(name)
+        return done
 
     @property
     def host_resident(self) -> list[str]:

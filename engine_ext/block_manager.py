@@ -17,6 +17,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
+        self.peak_used = 0  # high-water mark, for memory tests and stats
 
     @property
     def num_free(self) -> int:
@@ -34,6 +35,7 @@ class BlockManager:
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
         block_table.extend(self._free.popleft() for _ in range(need))
+        self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
         keep = blocks_for(num_tokens, self.block_size)

@@ -53,12 +53,13 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.base_counters = {"requests": 0, "tokens": 0}
         self.num_steps = 0
+        self._removals_seen = 0
         self._ids = itertools.count()
         self.speculator = None
         if config.speculative is not None:
             from .speculative import Speculator
 
-            self.speculator = Speculator(self, config.speculative)
+            self.speculator = Speculator(self, config.speculative)  # wraps step(); see speculative.py
 
     # ---------------------------------------------------------------- adapters
     def add_adapter(self, name: str, path: str, pinned: bool = False) -> None:
@@ -116,29 +117,28 @@ class LLMEngine:
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or any(s.finished for s in self.seqs.values())
+        return self.scheduler.has_unfinished or bool(self.scheduler.finished)
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         self._fail_orphans()
-        if self.speculator is not None and self.speculator.should_run():
-            touched = self.speculator.cycle()
+        if self.speculator is not None:
+            touched = self.speculator.step()
         else:
-            touched = self._plain_step()
+            touched = self.run_plain(self.scheduler.schedule().seqs)
         self.num_steps += 1
         return self._emit(touched)
 
-    def _plain_step(self) -> list[Sequence]:
-        batch = self.scheduler.schedule()
-        if batch.empty:
+    def run_plain(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One adapter-on forward over the scheduled sequences; one new token each."""
+        if not seqs:
             return []
-        work = [self.work_item(s) for s in batch.seqs]
-        logits = self.runner.run(work, self.adapters.slots)
-        tokens = sample(logits, [s.params for s in batch.seqs], [s.generator for s in batch.seqs], self.generator)
-        for seq, token, row in zip(batch.seqs, tokens.tolist(), logits):
+        logits = self.runner.run([self.work_item(s) for s in seqs], self.adapters.slots)
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+        for seq, token, row in zip(seqs, tokens.tolist(), logits):
             seq.num_computed = seq.num_tokens
             self.commit(seq, token, row)
-        return batch.seqs
+        return seqs
 
     def work_item(self, seq: Sequence, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
         """Compute every position not yet in the cache, plus `extra` tokens appended after them."""
@@ -158,15 +158,20 @@ class LLMEngine:
         return False
 
     def _fail_orphans(self) -> None:
+        """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""
+        if self.adapters.removals == self._removals_seen:
+            return
         for seq in list(self.scheduler.waiting):
             if seq.adapter is not None and not self.adapters.known(seq.adapter):
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        self.adapters.evict_unknown(self.scheduler.busy_adapters())
+        if self.adapters.evict_unknown(self.scheduler.busy_adapters()):
+            self._removals_seen = self.adapters.removals
 
     def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:
         outs, seen = [], set()
-        for seq in touched + [s for s in self.seqs.values() if s.finished]:
+        finished, self.scheduler.finished = self.scheduler.finished, []
+        for seq in touched + finished:
             if seq.request_id in seen:
                 continue
             seen.add(seq.request_id)

@@ -4,8 +4,10 @@
 
 `A` is `[num_slots, in, R]`, `B` is `[num_slots, R, out]`, `scale` is `[num_slots]`; ranks below R are
 zero-padded (exact: the padding contributes zeros). The last slot is all zeros and serves base-only
-tokens, so the op needs no masking. `add_lora_reference` is the plain-torch definition; a faster
-backend (a Triton kernel) registers under another name with the same signature.
+tokens. `add_lora_reference` is the plain-torch definition (a per-token gather of A and B);
+`add_lora_dense` computes the same with two dense matrix products over all slots, which avoids
+materialising a [T, in, R] gather and is the default on the CPU. A Triton kernel registers under
+another name with the same signature.
 """
 
 from __future__ import annotations
@@ -30,7 +32,19 @@ def add_lora_reference(
     y.add_(expanded * scale[slots].unsqueeze(1).to(expanded.dtype))
 
 
-_BACKENDS: dict[str, LoRAOp] = {"torch": add_lora_reference}
+def add_lora_dense(y, x, a, b, scale, slots) -> None:
+    """Same contract: shrink against every slot, keep each token's own slot (scaled), expand once.
+
+    (x @ [A_0 | A_1 | ...]) masked to the token's slot block, then @ [B_0; B_1; ...]: the other
+    slots contribute exact zeros, so the sum equals the per-token definition."""
+    num_slots, fan_in, rank = a.shape
+    shrunk = (x @ a.permute(1, 0, 2).reshape(fan_in, num_slots * rank)).view(-1, num_slots, rank)
+    keep = torch.zeros(slots.shape[0], num_slots, dtype=shrunk.dtype, device=shrunk.device)
+    keep.scatter_(1, slots[:, None], scale[slots][:, None].to(shrunk.dtype))
+    y.add_((shrunk * keep[:, :, None]).view(-1, num_slots * rank) @ b.reshape(num_slots * rank, -1))
+
+
+_BACKENDS: dict[str, LoRAOp] = {"torch": add_lora_dense, "gather": add_lora_reference}
 
 
 def register_lora_backend(name: str, op: LoRAOp) -> None:

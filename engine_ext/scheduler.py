@@ -32,7 +32,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: dict[str, Sequence] = {}  # request id -> sequence
+        self.finished: list[Sequence] = []  # finished since the engine last collected them
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -43,11 +44,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def busy_adapters(self) -> set[str]:
-        return {s.adapter for s in self.running if s.adapter is not None}
+        return {s.adapter for s in self.running.values() if s.adapter is not None}
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV, keep its tokens (prompt + generated) as the new prefill."""
-        self.running.remove(seq)
+        del self.running[seq.request_id]
         self.blocks.free(seq.block_table)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
@@ -55,18 +56,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        if self.running.pop(seq.request_id, None) is None and seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)  # aborted before it ran: rare, O(waiting)
         self.blocks.free(seq.block_table)
         seq.status = SeqStatus.FINISHED
+        self.finished.append(seq)
 
     def ensure_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve blocks for `num_tokens` positions of a running sequence, preempting the newest
         running sequences if needed. False if `seq` itself had to be preempted."""
         while not self.blocks.can_allocate(seq.block_table, num_tokens):
-            victim = max(self.running, key=lambda s: s.arrival)
+            victim = max(self.running.values(), key=lambda s: s.arrival)
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -77,19 +77,19 @@ class Scheduler:
         """`lookahead`: extra positions to reserve per running sequence (speculative drafts)."""
         batch = ScheduledBatch()
         preempted_before = self.num_preemptions
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running.values(), key=lambda s: s.arrival):
             if seq.status is SeqStatus.RUNNING:
                 self.ensure_room(seq, seq.num_tokens + lookahead)
-        batch.seqs = sorted(self.running, key=lambda s: s.arrival)
+        batch.seqs = sorted(self.running.values(), key=lambda s: s.arrival)
         batch.num_preempted = self.num_preemptions - preempted_before
         if batch.num_preempted:
             return batch  # memory is tight: let the running ones progress before admitting more
 
         budget = self.max_num_batched_tokens - len(batch.seqs) * (1 + lookahead)
         copied = False
-        for seq in list(self.waiting):
-            if len(self.running) >= self.max_num_seqs:
-                break
+        skipped: list[Sequence] = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
             need = seq.num_tokens - seq.num_computed
             if need > budget and batch.seqs:
                 break
@@ -98,14 +98,15 @@ class Scheduler:
             if seq.adapter is not None:
                 resident = self.adapters.slots.slot_of(seq.adapter) is not None
                 if not resident and (copied or not self.adapters.try_activate(seq.adapter, self.busy_adapters())):
-                    continue  # its adapter is not ready: let requests behind it go first
+                    skipped.append(self.waiting.popleft())  # adapter not ready: let requests behind it go first
+                    continue
                 copied |= not resident
-                counters = self.adapters.counters[seq.adapter]
-                counters.hits += resident
+                self.adapters.counters[seq.adapter].hits += resident
+            self.waiting.popleft()
             self.blocks.allocate(seq.block_table, seq.num_tokens + lookahead)
-            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            self.running[seq.request_id] = seq
             batch.seqs.append(seq)
             budget -= need
+        self.waiting.extendleft(reversed(skipped))
         return batch

@@ -37,3 +37,19 @@ def test_unknown_backend_named():
 
     with pytest.raises(ValueError, match="unknown lora_backend 'nope'"):
         get_lora_op("nope")
+
+
+def test_dense_backend_equals_reference():
+    from engine_ext.lora_ops import add_lora_dense
+
+    g = torch.Generator().manual_seed(1)
+    slots, t, fin, fout, r = 9, 37, 32, 48, 16
+    a, b = torch.randn(slots, fin, r, generator=g), torch.randn(slots, r, fout, generator=g)
+    scale, x = torch.rand(slots, generator=g), torch.randn(t, fin, generator=g)
+    idx = torch.randint(0, slots, (t,), generator=g)
+    y0 = torch.randn(t, fout, generator=g)
+    y1, y2 = y0.clone(), y0.clone()
+    add_lora_reference(y1, x, a, b, scale, idx)
+    add_lora_dense(y2, x, a, b, scale, idx)
+    assert torch.allclose(y1, y2, atol=1e-4)
+    assert get_lora_op("torch") is add_lora_dense and get_lora_op("gather") is add_lora_reference

@@ -1,0 +1,132 @@
+"""When drafting pays: a cost model fed by measured pass times and per-adapter acceptance rates.
+
+A cycle that drafts m tokens for a sequence whose drafts are accepted with probability a yields
+E(a, m) = (1 - a^(m+1)) / (1 - a) tokens (the accepted run plus the target's own token). It costs
+`max m` base-only passes plus one adapter-on verify pass over sum(m + 1) tokens, against one
+adapter-on pass per token for plain multi-LoRA decoding. Times are measured, per bucket of
+(tokens in the pass, distinct adapters), as exponential moving averages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from .config import SpecConfig
+
+logger = logging.getLogger(__name__)
+
+
+def expected_tokens(acceptance: float, m: int) -> float:
+    if acceptance >= 1.0:
+        return m + 1.0
+    return (1.0 - acceptance ** (m + 1)) / (1.0 - acceptance)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass
+class AdapterAcceptance:
+    ema: float
+    drafted: int = 0
+    accepted: int = 0
+    verifies: int = 0
+    idle_steps: int = 0  # plain steps since it last drafted (for probing a gated-off adapter)
+
+    def observe(self, drafted: int, accepted: int, weight: float) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verifies += 1
+        self.idle_steps = 0
+        if drafted:
+            self.ema = (1 - weight) * self.ema + weight * (accepted / drafted)
+
+
+class StepTimes:
+    """EMA of measured wall time per pass kind and (token bucket, distinct-adapter bucket)."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self._t: dict[tuple[str, int, int], float] = {}
+
+    def record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
+        key = (kind, _bucket(tokens), _bucket(adapters) if adapters else 0)
+        old = self._t.get(key)
+        self._t[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+
+    def get(self, kind: str, tokens: int, adapters: int) -> float | None:
+        return self._t.get((kind, _bucket(tokens), _bucket(adapters) if adapters else 0))
+
+
+class Gate:
+    def __init__(self, cfg: SpecConfig, probe_interval: int = 64):
+        self.cfg = cfg
+        self.times = StepTimes()
+        self.acceptance: dict[str, AdapterAcceptance] = {}
+        self.decisions: Counter[str] = Counter()
+        self.probe_interval = probe_interval
+
+    def adapter(self, name: str) -> AdapterAcceptance:
+        if name not in self.acceptance:
+            self.acceptance[name] = AdapterAcceptance(ema=self.cfg.initial_acceptance)
+        return self.acceptance[name]
+
+    def draft_lengths(self, adapters: list[str], caps: list[int], batch: int) -> list[int]:
+        """Per adapter sequence, a draft length in 0..min(k, cap) maximising tokens per unit of cost."""
+        k = self.cfg.num_draft_tokens
+        if not self.cfg.gate:
+            return [min(k, c) for c in caps]
+        ratio = self._draft_cost_ratio(batch, len(set(adapters)))
+        out = []
+        for name, cap in zip(adapters, caps):
+            acc = self.adapter(name)
+            if acc.ema < self.cfg.min_acceptance:
+                probing = self.probe_interval and acc.idle_steps >= self.probe_interval
+                out.append(min(1, cap) if probing else 0)
+                continue
+            best = max(range(k + 1), key=lambda m: expected_tokens(acc.ema, m) / (1.0 + m * ratio))
+            out.append(min(best, cap))
+        return out
+
+    def _draft_cost_ratio(self, batch: int, distinct: int) -> float:
+        """Cost of one base-only pass relative to one adapter-on pass at this batch (0.5 until measured)."""
+        base = self.times.get("base", batch, 0)
+        lora = self.times.get("lora", batch, distinct)
+        return base / lora if base and lora else 0.5
+
+    def decide(self, adapters: list[str], lengths: list[int], num_base: int) -> bool:
+        """True: run a speculative cycle with these draft lengths (one per adapter sequence);
+        False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them."""
+        batch, distinct = len(adapters) + num_base, len(set(adapters))
+        if not self.cfg.gate:
+            self._count("speculate_forced" if any(lengths) else "plain_nothing_to_draft", "gate disabled")
+            return any(lengths)
+        if not any(lengths):
+            self._count("plain_low_acceptance", "every adapter's acceptance is below the drafting threshold")
+            return False
+        passes = max(lengths)
+        t_base = self.times.get("base", batch, 0)
+        t_plain = self.times.get("lora", batch, distinct)
+        verify_tokens = sum(m + 1 for m in lengths) + num_base
+        t_verify = self.times.get("lora", verify_tokens, distinct)
+        if t_base is None or t_verify is None:
+            self._count("speculate_explore", "pass times at this batch not measured yet")
+            return True
+        if t_plain is None:
+            self._count("plain_explore", "plain step time at this batch not measured yet")
+            return False
+        gained = sum(expected_tokens(self.adapter(a).ema, m) for a, m in zip(adapters, lengths))
+        spec_rate = (gained + num_base * (passes + 1)) / (passes * t_base + t_verify)
+        plain_rate = (len(lengths) + num_base) / t_plain
+        if spec_rate > plain_rate:
+            self._count("speculate", f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
+            return True
+        self._count("plain_cost", f"{spec_rate:.1f} tok/s speculative <= {plain_rate:.1f} tok/s plain")
+        return False
+
+    def _count(self, decision: str, why: str) -> None:
+        self.decisions[decision] += 1
+        logger.debug("gate: %s (%s)", decision, why)

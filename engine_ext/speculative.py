@@ -1,0 +1,205 @@
+"""Speculative LoRA-off drafting.
+
+One cycle: the base model (every adapter switched off) drafts up to k tokens for every adapter
+sequence in up to k batched passes, writing its KV into each sequence's own paged cache; then one
+adapter-on pass over [last, d1..dm] verifies all of them, overwriting the drafted positions' KV
+with the adapter-conditioned values before anything else reads them. Rejected positions are
+released by truncating the block table. Base-only sequences need no verification: each drafting
+pass is an exact decoding step for them, so they commit a token from every pass.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .batch import SeqWork
+from .config import SpecConfig
+from .sampler import draw, probabilities, sample
+from .sequence import Sequence
+from .spec_gate import Gate
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Accept a drafted token d with probability min(1, p(d) / q(d))."""
+    return torch.clamp(p / q, max=1.0)
+
+
+def verify_drafts(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
+                  generator: torch.Generator | None, default: torch.Generator) -> list[int]:
+    """Tokens to commit: the accepted prefix of `drafts` plus one token from the target.
+
+    p: [m+1, V] target distributions after last, d1..dm (greedy: target logits); q: [m, V] draft
+    distributions (None: greedy). Greedy accepts while d_i == argmax p_i. Sampling accepts d_i with
+    probability min(1, p_i(d_i) / q_i(d_i)); on the first rejection it draws from
+    normalize(max(0, p_i - q_i)), so every committed token is distributed exactly as under p."""
+    if q is None:
+        target = p.argmax(dim=-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == target[n]:
+            n += 1
+        return drafts[:n] + [target[n]]
+    gen = generator or default
+    u = torch.rand(len(drafts), generator=gen, device=p.device)
+    for i, d in enumerate(drafts):
+        if u[i] >= acceptance_probability(p[i, d], q[i, d]):
+            residual = torch.clamp(p[i] - q[i], min=0.0)
+            residual = residual if residual.sum() > 0 else p[i]
+            token = draw((residual / residual.sum())[None], [generator], default)
+            return drafts[:i] + [int(token)]
+    return drafts + [int(draw(p[len(drafts)][None], [generator], default))]
+
+
+class Speculator:
+    def __init__(self, engine, cfg: SpecConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.lookahead = cfg.num_draft_tokens
+        self.gate = Gate(cfg)
+        self.cycles = self.plain_steps = self.draft_passes = 0
+
+    # ------------------------------------------------------------ one engine step
+    def step(self) -> list[Sequence]:
+        e = self.engine
+        batch = e.scheduler.schedule(lookahead=self.lookahead)
+        if batch.empty:
+            return []
+        decoding = [s for s in batch.seqs if not s.is_prefill]
+        lora_seqs = [s for s in decoding if s.adapter is not None]
+        base_seqs = [s for s in decoding if s.adapter is None]
+        names = [s.adapter for s in lora_seqs]
+        lengths = self.gate.draft_lengths(names, [self._cap(s) for s in lora_seqs], len(decoding))
+        has_prefill = len(decoding) < len(batch.seqs)
+        if lora_seqs and self.gate.decide(names, lengths, len(base_seqs)):
+            self.cycles += 1
+            self._cycle(batch.seqs, dict(zip(map(id, lora_seqs), lengths)), base_seqs, has_prefill)
+        else:
+            self.plain_steps += 1
+            for name in set(names):
+                self.gate.adapter(name).idle_steps += 1
+            start = time.perf_counter()
+            e.run_plain(batch.seqs)
+            if not has_prefill:
+                self.gate.times.record("lora", len(batch.seqs), len(set(names)), time.perf_counter() - start)
+        for s in batch.seqs:  # give back the lookahead blocks nothing was written to
+            if not s.finished:
+                e.blocks.truncate(s.block_table, s.num_tokens)
+        return batch.seqs
+
+    def _cap(self, s: Sequence) -> int:
+        """Longest useful draft: every accepted token plus the target's own must fit max_tokens."""
+        left = min(s.params.max_tokens - len(s.output_token_ids), self.engine.max_model_len - s.num_tokens)
+        return max(0, min(self.cfg.num_draft_tokens, left - 1))
+
+    # ------------------------------------------------------------ the cycle
+    def _cycle(self, seqs: list[Sequence], lengths: dict[int, int], base_seqs: list[Sequence], has_prefill: bool):
+        e = self.engine
+        slots = e.adapters.slots
+        drafters = [s for s in seqs if lengths.get(id(s), 0) > 0]
+        drafts: dict[int, list[int]] = {id(s): [] for s in drafters}
+        qs: dict[int, list[torch.Tensor]] = {id(s): [] for s in drafters}
+        for j in range(max(lengths.values(), default=0)):
+            active = [s for s in drafters if lengths[id(s)] > j]
+            riders = [s for s in base_seqs if not s.finished]
+            # Drafted positions: the last committed token (j = 0) or the previous draft, at num_tokens - 1 + j.
+            work = [SeqWork([s.token_ids[-1] if j == 0 else drafts[id(s)][-1]], s.num_tokens - 1 + j, s.block_table,
+                            slots.zero_slot) for s in active]
+            work += [e.work_item(s) for s in riders]
+            start = time.perf_counter()
+            logits = e.runner.run(work, slots, use_lora=False)
+            self._propose(active, logits[: len(active)], drafts, qs)
+            self._ride(riders, logits[len(active):])
+            self.gate.times.record("base", len(work), 0, time.perf_counter() - start)
+            self.draft_passes += 1
+
+        live = [s for s in seqs if not s.finished]
+        work = [e.work_item(s, drafts.get(id(s), []), len(drafts.get(id(s), [])) + 1) for s in live]
+        start = time.perf_counter()
+        logits = e.runner.run(work, slots)
+        self._settle_all(live, work, logits, drafts, qs)
+        if not has_prefill:
+            distinct = len({s.adapter for s in live if s.adapter is not None})
+            self.gate.times.record("lora", sum(len(w.token_ids) for w in work), distinct, time.perf_counter() - start)
+
+    def _settle_all(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict):
+        """Commit each sequence's tokens from the verify pass (batched where the math allows)."""
+        e = self.engine
+        ends = torch.tensor([w.num_logits for w in work]).cumsum(0).tolist()
+        starts = [end - w.num_logits for end, w in zip(ends, work)]
+        plain = [i for i, s in enumerate(live) if not drafts.get(id(s))]
+        if plain:  # prefills, base-only riders and gated-off adapters: a plain step each
+            rows = [ends[i] - 1 for i in plain]
+            tokens = sample(logits[rows], [live[i].params for i in plain], [live[i].generator for i in plain],
+                            e.generator).tolist()
+            for i, row, token in zip(plain, rows, tokens):
+                live[i].num_computed = live[i].num_tokens
+                e.commit(live[i], token, logits[row])
+        sampled = [i for i, s in enumerate(live) if drafts.get(id(s)) and not s.params.greedy]
+        probs = {}
+        if sampled:  # target distributions p for every verified position, in one call
+            rows = [r for i in sampled for r in range(starts[i], ends[i])]
+            params = [live[i].params for i in sampled for _ in range(work[i].num_logits)]
+            p_all = probabilities(logits[rows], params)
+            offset = 0
+            for i in sampled:
+                probs[i] = p_all[offset : offset + work[i].num_logits]
+                offset += work[i].num_logits
+        for i, s in enumerate(live):
+            if drafts.get(id(s)):
+                rows = logits[starts[i] : ends[i]]
+                q = torch.stack(qs[id(s)]) if i in probs else None
+                self._settle(s, rows, probs.get(i, rows), q, drafts[id(s)])
+
+    def _propose(self, seqs: list[Sequence], logits: torch.Tensor, drafts: dict, qs: dict) -> None:
+        if not seqs:
+            return
+        params = [s.params for s in seqs]
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            q = probabilities(logits[sampled], [params[i] for i in sampled])
+            tokens[sampled] = draw(q, [seqs[i].generator for i in sampled], self.engine.generator)
+            for i, row in zip(sampled, q):
+                qs[id(seqs[i])].append(row)
+        for s, t in zip(seqs, tokens.tolist()):
+            drafts[id(s)].append(t)
+
+    def _ride(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Base-only sequences: a drafting pass is their own model, so its token is final."""
+        if not seqs:
+            return
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.engine.generator)
+        for s, t, row in zip(seqs, tokens.tolist(), logits):
+            s.num_computed = s.num_tokens
+            self.engine.commit(s, t, row)
+
+    def _settle(self, s: Sequence, rows: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]):
+        e = self.engine
+        tokens = verify_drafts(p, q, drafts, s.generator, e.generator)
+        accepted = len(tokens) - 1
+        self.gate.adapter(s.adapter).observe(len(drafts), accepted, self.cfg.acceptance_ema)
+        s.num_computed = s.num_tokens  # the verify pass wrote final KV for `last`...
+        for i, t in enumerate(tokens):
+            if e.commit(s, t, rows[i]):
+                return
+            if i < accepted:  # ...and for each accepted draft; the target's own token is not in the cache yet
+                s.num_computed += 1
+
+    # ------------------------------------------------------------ stats
+    def adapter_stats(self, name: str) -> dict:
+        acc = self.gate.acceptance.get(name)
+        if acc is None:
+            return {"drafted_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None, "mean_accepted_length": None}
+        return {
+            "drafted_tokens": acc.drafted,
+            "accepted_tokens": acc.accepted,
+            "acceptance_rate": acc.accepted / acc.drafted if acc.drafted else None,
+            "acceptance_ema": acc.ema,
+            "mean_accepted_length": acc.accepted / acc.verifies if acc.verifies else None,
+            "verifies": acc.verifies,
+        }
+
+    def global_stats(self) -> dict:
+        return {"cycles": self.cycles, "plain_steps": self.plain_steps, "draft_passes": self.draft_passes,
+                "gate_decisions": dict(self.gate.decisions), "num_draft_tokens": self.cfg.num_draft_tokens}

@@ -1,0 +1,235 @@
+"""Operator CLI `lora-registry`: push an adapter directory (staging upload with a progress bar, then register),
+list, show, promote, canary, rollback, disable, enable, retire, audit, base-model.
+
+Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (token from --token or
+LORA_REGISTRY_TOKEN), else opens the registry directly from the environment settings (REGISTRY_DB, REDIS_URL, ...).
+Pushing uploads the files into the staging area the registry accepts sources from (the first ALLOWED_S3_PREFIXES
+entry, else the first ALLOWED_LOCAL_ROOTS entry, or --staging), so the upload goes through the same validation
+as any registration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from registry.errors import RegistryError
+from registry.settings import RegistrySettings
+
+__all__ = ["main", "build_parser"]
+
+
+class CliError(Exception):
+    pass
+
+
+# -- backends: same methods, one over HTTP, one on a local Registry -------------------------------------------
+class HttpBackend:
+    def __init__(self, url: str, token: str | None):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._c = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=600)
+
+    def _call(self, method: str, path: str, **kw) -> Any:
+        r = self._c.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                err = r.json()["error"]
+                msg = f"{err['code']}: {err['message']}"
+            except (ValueError, KeyError, TypeError):
+                msg = r.text
+            raise CliError(f"HTTP {r.status_code} {msg}")
+        return r.json()
+
+    def register(self, body: dict) -> Any:
+        return self._call("POST", "/v1/adapters", json=body)
+
+    def list(self) -> Any:
+        return self._call("GET", "/v1/adapters")
+
+    def show(self, name: str) -> Any:
+        return self._call("GET", f"/v1/adapters/{name}")
+
+    def action(self, name: str, verb: str, body: dict | None = None) -> Any:
+        return self._call("POST", f"/v1/adapters/{name}/{verb}", json=body)
+
+    def retire(self, name: str, version: int) -> Any:
+        return self._call("DELETE", f"/v1/adapters/{name}/versions/{version}")
+
+    def audit(self, name: str | None, after: int, limit: int) -> Any:
+        params = {"after_seq": after, "limit": limit} | ({"name": name} if name else {})
+        return self._call("GET", "/v1/audit", params=params)
+
+    def base_model(self, name: str, config: dict) -> Any:
+        return self._call("POST", "/v1/base-models", json={"name": name, "config": config})
+
+
+class LocalBackend:
+    def __init__(self, settings: RegistrySettings, actor: str):
+        from registry.registry import Registry
+
+        self._reg = Registry.from_settings(settings)
+        self._actor = actor
+
+    def register(self, body: dict) -> Any:
+        return self._reg.register(actor=self._actor, **body).model_dump(mode="json")
+
+    def list(self) -> Any:
+        return [s.model_dump(mode="json", exclude={"versions"}) for s in self._reg.list_states()]
+
+    def show(self, name: str) -> Any:
+        return self._reg.get(name).model_dump(mode="json")
+
+    def action(self, name: str, verb: str, body: dict | None = None) -> Any:
+        fn: Callable[..., Any] = {"promote": self._reg.promote, "canary": self._reg.canary,
+                                  "rollback": self._reg.rollback, "disable": self._reg.disable,
+                                  "enable": self._reg.enable}[verb]
+        return fn(name, **(body or {}), actor=self._actor).model_dump(mode="json")
+
+    def retire(self, name: str, version: int) -> Any:
+        return self._reg.retire(name, version, actor=self._actor).model_dump(mode="json")
+
+    def audit(self, name: str | None, after: int, limit: int) -> Any:
+        return [e.model_dump(mode="json") for e in self._reg.audit(name, after, limit)]
+
+    def base_model(self, name: str, config: dict) -> Any:
+        return self._reg.register_base_model(name, config, actor=self._actor).model_dump(mode="json")
+
+
+# -- push: hash, upload to staging with a progress bar, register ---------------------------------------------
+def _hash_files(directory: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(directory.iterdir()):
+        if p.is_file():
+            out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
+    if not out:
+        raise CliError(f"{directory} has no files")
+    return out
+
+
+def _upload(directory: Path, files: list[str], staging: str, name: str, settings: RegistrySettings) -> str:
+    """Copy the files to `{staging}/{name}-{random}/` -> the source URI to register."""
+    total = sum((directory / f).stat().st_size for f in files)
+    leaf = f"{name}-{uuid.uuid4().hex[:12]}"
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"push {name}", file=sys.stderr) as bar:
+        if staging.startswith("s3://"):
+            from registry.s3_blob_store import make_s3_client
+            from registry.sources import parse_s3_uri
+
+            bucket, prefix = parse_s3_uri(staging.rstrip("/") + "/" + leaf)
+            s3 = make_s3_client(settings.s3_endpoint_url)
+            for f in files:
+                s3.upload_file(str(directory / f), bucket, f"{prefix}/{f}", Callback=bar.update)
+            return f"s3://{bucket}/{prefix}"
+        dest = Path(staging) / leaf
+        dest.mkdir(parents=True)
+        for f in files:
+            with (directory / f).open("rb") as src, (dest / f).open("wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+        return str(dest)
+
+
+def _push(args, backend, settings: RegistrySettings) -> Any:
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        raise CliError(f"{directory} is not a directory")
+    sha = _hash_files(directory)
+    staging = args.staging or (settings.allowed_s3_prefixes[0] if settings.allowed_s3_prefixes
+                               else str(settings.allowed_local_roots[0]) if settings.allowed_local_roots else None)
+    if staging is None:
+        raise CliError("no staging area: set ALLOWED_S3_PREFIXES or ALLOWED_LOCAL_ROOTS, or pass --staging")
+    uri = _upload(directory, sorted(sha), staging, args.name, settings)
+    labels = dict(kv.split("=", 1) for kv in args.label)
+    body = {"name": args.name, "source_uri": uri, "sha256": sha, "base_model": args.base_model,
+            "tenant": args.tenant, "visibility": args.visibility, "labels": labels,
+            "description": args.description, "activate": args.activate}
+    return backend.register(body)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lora-registry", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=os.environ.get("LORA_REGISTRY_URL"), help="control-plane URL (else direct)")
+    p.add_argument("--token", default=os.environ.get("LORA_REGISTRY_TOKEN"), help="bearer token for --url")
+    p.add_argument("--actor", default=os.environ.get("USER", "operator"), help="audit 'who' in direct mode")
+    sub = p.add_subparsers(dest="command", required=True)
+    push = sub.add_parser("push", help="upload an adapter directory and register it")
+    push.add_argument("directory")
+    push.add_argument("--name", required=True)
+    push.add_argument("--base-model", required=True)
+    push.add_argument("--tenant")
+    push.add_argument("--visibility", choices=["public", "tenant"], default="public")
+    push.add_argument("--label", action="append", default=[], help="key=value, repeatable")
+    push.add_argument("--description", default="")
+    push.add_argument("--activate", action="store_true", help="promote right after validation")
+    push.add_argument("--staging", help="staging root (local dir under an allowed root, or s3://bucket/prefix)")
+    sub.add_parser("list", help="list adapters")
+    for cmd in ("show", "rollback", "disable", "enable"):
+        sub.add_parser(cmd).add_argument("name")
+    for cmd in ("promote", "retire"):
+        sp = sub.add_parser(cmd)
+        sp.add_argument("name")
+        sp.add_argument("version", type=int)
+    sp = sub.add_parser("canary")
+    sp.add_argument("name")
+    sp.add_argument("version", type=int)
+    sp.add_argument("weight", type=float)
+    sp = sub.add_parser("audit")
+    sp.add_argument("--name")
+    sp.add_argument("--after", type=int, default=0)
+    sp.add_argument("--limit", type=int, default=100)
+    sp = sub.add_parser("base-model", help="register a base model from its directory (config.json)")
+    sp.add_argument("name")
+    sp.add_argument("model_dir")
+    return p
+
+
+def _dispatch(args, backend, settings: RegistrySettings) -> Any:
+    match args.command:
+        case "push":
+            return _push(args, backend, settings)
+        case "list":
+            return backend.list()
+        case "show":
+            return backend.show(args.name)
+        case "promote":
+            return backend.action(args.name, "promote", {"version": args.version})
+        case "canary":
+            return backend.action(args.name, "canary", {"version": args.version, "weight": args.weight})
+        case "rollback" | "disable" | "enable":
+            return backend.action(args.name, args.command)
+        case "retire":
+            return backend.retire(args.name, args.version)
+        case "audit":
+            return backend.audit(args.name, args.after, args.limit)
+        case "base-model":
+            config = json.loads((Path(args.model_dir) / "config.json").read_text())
+            return backend.base_model(args.name, config)
+    raise CliError(f"unknown command {args.command}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = RegistrySettings()
+    try:
+        backend = HttpBackend(args.url, args.token) if args.url else LocalBackend(settings, args.actor)
+        result = _dispatch(args, backend, settings)
+    except (CliError, RegistryError, OSError) as e:
+        print(f"lora-registry: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The metadata-store interface (SQLite and Redis implement it) and the value a transaction commits.
+
+A store knows nothing about lifecycle rules: it reads one adapter's state, hands it to a pure function that
+returns a `Mutation`, and commits the new state, one audit entry and a revision bump atomically (re-running the
+function if a concurrent writer got there first). The audit entry's `seq` is the revision it produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from registry.base_model import BaseModelSpec
+from registry.records import AdapterState, AuditEntry
+
+__all__ = ["Mutation", "MetadataStore", "Event", "changed_versions"]
+
+Event = dict[str, Any]  # {"name", "action", "revision"}
+
+
+@dataclass(frozen=True)
+class Mutation:
+    audit: AuditEntry  # seq is assigned by the store at commit
+    state: AdapterState | None = None  # adapter state to write (None: audit-only)
+    base_model: BaseModelSpec | None = None  # base-model spec to write
+
+
+class MetadataStore(Protocol):
+    def get_state(self, name: str) -> AdapterState | None: ...
+
+    def list_states(self) -> list[AdapterState]: ...
+
+    def update(self, name: str, fn: Callable[[AdapterState | None], Mutation]) -> tuple[AdapterState | None, AuditEntry]:
+        """Atomically: state -> fn(state) -> commit. Exceptions from fn abort with nothing written.
+        -> (state written or None, audit entry with its seq)."""
+        ...
+
+    def update_base_model(self, name: str, fn: Callable[[BaseModelSpec | None], Mutation]) -> AuditEntry: ...
+
+    def get_base_model(self, name: str) -> BaseModelSpec | None: ...
+
+    def list_base_models(self) -> list[BaseModelSpec]: ...
+
+    def append_audit(self, entry: AuditEntry) -> AuditEntry:
+        """Audit-only mutation (e.g. a registration refused before a version could be recorded)."""
+        ...
+
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]: ...
+
+    def revision(self) -> int: ...
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Call `callback(event)` for every committed mutation (from another thread) -> unsubscribe fn."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def changed_versions(before: AdapterState | None, after: AdapterState) -> list[int]:
+    """Versions whose record differs, so a commit rewrites only those."""
+    old = before.versions if before else {}
+    return [v for v, rec in after.versions.items() if old.get(v) != rec]

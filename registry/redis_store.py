@@ -1,0 +1,168 @@
+"""Metadata in Redis: optimistic transactions (WATCH the adapter's keys, compute, MULTI/EXEC a Lua commit),
+version history in a per-adapter hash, the audit log as a stream whose entry ids are the revisions, and a
+pub/sub channel that tells serving replicas what changed.
+
+Keys under `prefix`: names (set), head:{name} (JSON), versions:{name} (hash version -> record JSON),
+base_models (hash), revision (counter), audit (stream, id "{seq}-0"), channel events.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import redis
+
+from registry.base_model import BaseModelSpec
+from registry.metadata_store import Event, Mutation, changed_versions
+from registry.records import AdapterRecord, AdapterState, AuditEntry
+
+__all__ = ["RedisMetadataStore"]
+
+# The commit runs inside MULTI after WATCH, so it only executes if no watched key changed; doing it in Lua lets
+# the revision counter, the audit stream id and the published event all use the same freshly incremented value.
+# The audit JSON is stored verbatim (re-encoding in Lua would turn {} into [] and round floats); its seq is the
+# stream id.
+# KEYS: revision, audit, names, head, versions, base_models   ARGV: channel, name, action, audit_json, writes_json
+_COMMIT_LUA = """
+local rev = redis.call('INCR', KEYS[1])
+local writes = cjson.decode(ARGV[5])
+if writes['head'] then
+  redis.call('SADD', KEYS[3], ARGV[2])
+  redis.call('SET', KEYS[4], writes['head'])
+end
+for v, rec in pairs(writes['versions']) do redis.call('HSET', KEYS[5], v, rec) end
+if writes['base_model'] then redis.call('HSET', KEYS[6], ARGV[2], writes['base_model']) end
+redis.call('XADD', KEYS[2], rev .. '-0', 'name', ARGV[2], 'entry', ARGV[4])
+redis.call('PUBLISH', ARGV[1], cjson.encode({name = ARGV[2], action = ARGV[3], revision = rev}))
+return rev
+"""
+
+
+class RedisMetadataStore:
+    def __init__(self, url: str | None = None, prefix: str = "loraserve:registry", *,
+                 client: redis.Redis | None = None, max_retries: int = 1000):
+        self._r = client or redis.Redis.from_url(url, decode_responses=True)
+        self._p = prefix
+        self._max_retries = max_retries
+        self._commit = self._r.register_script(_COMMIT_LUA)
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self._p, *parts))
+
+    # -- reads ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _decode_state(head: str | None, versions: dict[str, str]) -> AdapterState | None:
+        if head is None:
+            return None
+        state = AdapterState.model_validate_json(head)
+        recs = {int(v): AdapterRecord.model_validate_json(r) for v, r in sorted(versions.items(), key=lambda kv: int(kv[0]))}
+        return state.model_copy(update={"versions": recs})
+
+    def get_state(self, name: str) -> AdapterState | None:
+        pipe = self._r.pipeline(transaction=True)  # MULTI so head and versions come from one instant
+        pipe.get(self._k("head", name)).hgetall(self._k("versions", name))
+        head, versions = pipe.execute()
+        return self._decode_state(head, versions)
+
+    def list_states(self) -> list[AdapterState]:
+        names = sorted(self._r.smembers(self._k("names")))
+        return [s for s in (self.get_state(n) for n in names) if s is not None]
+
+    def get_base_model(self, name: str) -> BaseModelSpec | None:
+        raw = self._r.hget(self._k("base_models"), name)
+        return BaseModelSpec.model_validate_json(raw) if raw else None
+
+    def list_base_models(self) -> list[BaseModelSpec]:
+        raw = self._r.hgetall(self._k("base_models"))
+        return [BaseModelSpec.model_validate_json(raw[n]) for n in sorted(raw)]
+
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]:
+        out: list[AuditEntry] = []
+        start = f"({after_seq}-0"
+        while len(out) < limit:
+            batch = self._r.xrange(self._k("audit"), min=start, max="+", count=max(limit, 500))
+            if not batch:
+                break
+            for sid, fields in batch:
+                if name is None or fields["name"] == name:
+                    entry = AuditEntry.model_validate_json(fields["entry"])
+                    out.append(entry.model_copy(update={"seq": int(sid.split("-")[0])}))
+            start = f"({batch[-1][0]}"
+        return out[:limit]
+
+    def revision(self) -> int:
+        return int(self._r.get(self._k("revision")) or 0)
+
+    # -- writes --------------------------------------------------------------------------------------------
+    def _transact(self, watch: list[str], read: Callable[[redis.client.Pipeline], object],
+                  compute: Callable[[object], tuple[Mutation, dict]], name: str) -> tuple[Mutation, AuditEntry]:
+        keys = [self._k("revision"), self._k("audit"), self._k("names"), self._k("head", name),
+                self._k("versions", name), self._k("base_models")]
+        for _ in range(self._max_retries):
+            with self._r.pipeline(transaction=True) as pipe:
+                try:
+                    if watch:
+                        pipe.watch(*watch)
+                    mutation, writes = compute(read(pipe))
+                    pipe.multi()
+                    self._commit(keys=keys, args=[self._k("events"), name, mutation.audit.action,
+                                                  mutation.audit.model_dump_json(), json.dumps(writes)], client=pipe)
+                    (seq,) = pipe.execute()
+                except redis.WatchError:
+                    continue  # a concurrent writer committed first: re-read and re-run the pure function
+            return mutation, mutation.audit.model_copy(update={"seq": int(seq)})
+        raise RuntimeError(f"redis transaction on {name!r} did not converge after {self._max_retries} retries")
+
+    def update(self, name: str, fn: Callable[[AdapterState | None], Mutation]) -> tuple[AdapterState | None, AuditEntry]:
+        head_key, versions_key = self._k("head", name), self._k("versions", name)
+
+        def read(pipe):
+            return self._decode_state(pipe.get(head_key), pipe.hgetall(versions_key))
+
+        def compute(before):
+            mutation = fn(before)
+            writes: dict = {"versions": {}}
+            if mutation.state is not None:
+                after = mutation.state
+                writes["head"] = after.model_dump_json(exclude={"versions"})
+                writes["versions"] = {str(v): after.versions[v].model_dump_json() for v in changed_versions(before, after)}
+            return mutation, writes
+
+        mutation, entry = self._transact([head_key, versions_key], read, compute, name)
+        return mutation.state, entry
+
+    def update_base_model(self, name: str, fn: Callable[[BaseModelSpec | None], Mutation]) -> AuditEntry:
+        def read(pipe):
+            raw = pipe.hget(self._k("base_models"), name)
+            return BaseModelSpec.model_validate_json(raw) if raw else None
+
+        def compute(before):
+            mutation = fn(before)
+            writes: dict = {"versions": {}}
+            if mutation.base_model is not None:
+                writes["base_model"] = mutation.base_model.model_dump_json()
+            return mutation, writes
+
+        return self._transact([self._k("base_models")], read, compute, name)[1]
+
+    def append_audit(self, entry: AuditEntry) -> AuditEntry:
+        return self._transact([], lambda pipe: None, lambda _: (Mutation(audit=entry), {"versions": {}}),
+                              entry.name)[1]
+
+    # -- change feed ---------------------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(**{self._k("events"): lambda msg: callback(json.loads(msg["data"]))})
+        thread = pubsub.run_in_thread(sleep_time=0.05, daemon=True)
+
+        def unsubscribe() -> None:
+            thread.stop()
+            thread.join(timeout=5)
+            pubsub.close()
+
+        return unsubscribe
+
+    def close(self) -> None:
+        self._r.close()
+

@@ -1,0 +1,294 @@
+"""The Registry facade: registration with validation, lifecycle transitions, resolution for the serving
+layer, and materializing adapter files locally. Stores, blob store and source fetcher are injected."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from registry import lifecycle
+from registry.base_model import BaseModelSpec, load_config, spec_from_config
+from registry.blob_store import BlobStore, LocalBlobStore
+from registry.errors import (AdapterNotFound, BaseModelNotFound, LifecycleConflict, PermissionDenied, RegistryError,
+                             RegistryValidationError)
+from registry.metadata_store import Event, MetadataStore, Mutation
+from registry.records import NAME_PATTERN, AdapterRecord, AdapterState, AdapterStatus, AuditEntry, Visibility
+from registry.resolver import resolve_version
+from registry.settings import RegistrySettings
+from registry.sources import SourceFetcher, SourceLimits
+from registry.validation import sha256_file, validate_adapter
+
+__all__ = ["Registry"]
+
+_VERIFIED_MARKER = ".registry-verified.json"
+
+
+class Registry:
+    def __init__(self, metadata: MetadataStore, blobs: BlobStore, settings: RegistrySettings,
+                 fetcher: SourceFetcher, clock: Callable[[], float] = time.time):
+        self.metadata = metadata
+        self.blobs = blobs
+        self.settings = settings
+        self._fetcher = fetcher
+        self._clock = clock
+
+    @classmethod
+    def from_settings(cls, settings: RegistrySettings | None = None) -> "Registry":
+        settings = settings or RegistrySettings()
+        if settings.redis_url:
+            from registry.redis_store import RedisMetadataStore
+            metadata: MetadataStore = RedisMetadataStore(settings.redis_url, settings.redis_prefix)
+        else:
+            from registry.sqlite_store import SQLiteMetadataStore
+            metadata = SQLiteMetadataStore(settings.registry_db, settings.poll_interval_s)
+        s3_factory = None
+        if settings.s3_bucket or settings.allowed_s3_prefixes:
+            from registry.s3_blob_store import make_s3_client
+            s3_factory = lambda: make_s3_client(settings.s3_endpoint_url)  # noqa: E731
+        if settings.s3_bucket:
+            from registry.s3_blob_store import S3BlobStore
+            blobs: BlobStore = S3BlobStore(s3_factory(), settings.s3_bucket, settings.s3_prefix)
+        else:
+            blobs = LocalBlobStore(settings.blob_dir)
+        limits = SourceLimits(settings.max_files, settings.max_file_bytes, settings.max_total_bytes)
+        fetcher = SourceFetcher(settings.allowed_local_roots, settings.allowed_s3_prefixes, limits, s3_factory)
+        return cls(metadata, blobs, settings, fetcher)
+
+    def close(self) -> None:
+        self.metadata.close()
+
+    # -- base models ---------------------------------------------------------------------------------------
+    def register_base_model(self, name: str, model_dir_or_config: str | os.PathLike | dict[str, Any], *,
+                            actor: str = "system", aliases: list[str] | None = None) -> BaseModelSpec:
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise RegistryValidationError(f"invalid base model name {name!r}", code="invalid_name")
+        cfg, found_aliases = load_config(model_dir_or_config)
+        spec = spec_from_config(name, cfg, [*found_aliases, *(aliases or [])])
+        now = self._clock()
+
+        def mutate(before: BaseModelSpec | None) -> Mutation:
+            return Mutation(base_model=spec, audit=AuditEntry(
+                seq=0, ts=now, actor=actor, action="register_base_model", name=name,
+                before=before.model_dump() if before else None, after=spec.model_dump()))
+
+        self.metadata.update_base_model(name, mutate)
+        return spec
+
+    def get_base_model(self, name: str) -> BaseModelSpec:
+        spec = self.metadata.get_base_model(name)
+        if spec is None:
+            raise BaseModelNotFound(f"unknown base model {name!r}")
+        return spec
+
+    def list_base_models(self) -> list[BaseModelSpec]:
+        return self.metadata.list_base_models()
+
+    # -- registration --------------------------------------------------------------------------------------
+    def register(self, name: str, source_uri: str, sha256: dict[str, str], base_model: str, *,
+                 tenant: str | None = None, visibility: str | Visibility = Visibility.public, actor: str = "system",
+                 labels: dict[str, str] | None = None, description: str = "", activate: bool = False) -> AdapterRecord:
+        """Stage a new version, fetch + validate its files, store them, mark it ready (or failed and raise)."""
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            # No version can be recorded under an invalid name; the refusal is still audited.
+            shown = repr(name)[:80]
+            self.metadata.append_audit(AuditEntry(seq=0, ts=self._clock(), actor=actor, action="register_rejected",
+                                                  name=shown, details={"code": "invalid_name", "source_uri": str(source_uri)[:300]}))
+            raise RegistryValidationError(f"invalid adapter name {shown}: use 1-64 of [A-Za-z0-9_.-], starting "
+                                          f"with a letter or digit", code="invalid_name")
+        visibility = Visibility(visibility)
+        if visibility == Visibility.tenant and not tenant:
+            raise RegistryValidationError("visibility 'tenant' needs an owner tenant", code="invalid_request")
+        record = self._stage(name, source_uri, base_model, tenant, visibility, actor, labels or {}, description)
+        try:
+            validated, location = self._validate_and_store(record, source_uri, sha256)
+        except RegistryValidationError as e:
+            self._finish(record, actor, failed=e)
+            e.version = record.version
+            raise
+        except Exception as e:  # storage outage etc.: keep the trace, report as a server-side error
+            err = RegistryError(f"registration of {name} v{record.version} failed: {type(e).__name__}: {e}",
+                                code="storage_error")
+            err.status = 503
+            self._finish(record, actor, failed=RegistryValidationError(err.message, code="storage_error"))
+            raise err from e
+        done = self._finish(record.model_copy(update={
+            "rank": validated.rank, "alpha": validated.alpha, "target_modules": validated.target_modules,
+            "dtype": validated.dtype, "files": validated.files, "blob_location": location}), actor)
+        if activate:
+            self.promote(name, done.version, actor=actor)
+            return self.get(name).versions[done.version]
+        return done
+
+    def _stage(self, name: str, source_uri: str, base_model: str, tenant: str | None, visibility: Visibility,
+               actor: str, labels: dict[str, str], description: str) -> AdapterRecord:
+        now = self._clock()
+        staged: dict[str, AdapterRecord] = {}
+
+        def mutate(before: AdapterState | None) -> Mutation:
+            if before is not None and before.owner_tenant != tenant:
+                raise PermissionDenied(f"adapter {name!r} belongs to another tenant")
+            state = before or AdapterState(name=name, owner_tenant=tenant)
+            rec = AdapterRecord(name=name, version=state.next_version(), base_model=str(base_model),
+                                owner_tenant=tenant, visibility=visibility, status=AdapterStatus.staged,
+                                source_uri=str(source_uri), created_at=now, updated_at=now, labels=labels,
+                                description=description)
+            staged["rec"] = rec
+            after = lifecycle.add_version(state, rec)
+            return Mutation(state=after, audit=AuditEntry(
+                seq=0, ts=now, actor=actor, action="stage", name=name, version=rec.version,
+                details={"source_uri": str(source_uri), "base_model": str(base_model)},
+                before=before.head() if before else None, after=after.head()))
+
+        self.metadata.update(name, mutate)
+        return staged["rec"]
+
+    def _validate_and_store(self, record: AdapterRecord, source_uri: str, sha256: dict[str, str]):
+        spec = self.metadata.get_base_model(record.base_model)
+        if spec is None:
+            raise RegistryValidationError(f"unknown base model {record.base_model!r}", code="unknown_base_model")
+        if not isinstance(sha256, dict) or not all(isinstance(k, str) for k in sha256):
+            raise RegistryValidationError("sha256 must map file names to hex digests", code="invalid_sha256")
+        with tempfile.TemporaryDirectory(prefix="registry-stage-") as tmp:
+            files = self._fetcher.fetch(source_uri, Path(tmp))
+            validated = validate_adapter(files, sha256, spec, self.settings.max_lora_rank,
+                                         self.settings.max_header_bytes)
+            # Only now, with every check passed, do the bytes reach the blob store.
+            for fname, entry in validated.files.items():
+                self.blobs.put(entry.sha256, files[fname])
+        return validated, self.blobs.location
+
+    def _finish(self, record: AdapterRecord, actor: str, failed: RegistryValidationError | None = None) -> AdapterRecord:
+        now = self._clock()
+        if failed is not None:
+            final = record.model_copy(update={"status": AdapterStatus.failed, "failure_reason": failed.message,
+                                              "failure_code": failed.code, "updated_at": now})
+        else:
+            final = record.model_copy(update={"status": AdapterStatus.ready, "updated_at": now})
+
+        def mutate(before: AdapterState | None) -> Mutation:
+            assert before is not None  # staged by _stage; adapters are never deleted
+            after = lifecycle.add_version(before, final)
+            details = {"code": failed.code, "reason": failed.message} if failed else {"files": sorted(final.files)}
+            return Mutation(state=after, audit=AuditEntry(
+                seq=0, ts=now, actor=actor, action="register_failed" if failed else "register", name=record.name,
+                version=record.version, details=details, before=before.head(), after=after.head()))
+
+        self.metadata.update(record.name, mutate)
+        return final
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def _transition(self, name: str, action: str, details: dict[str, Any], actor: str) -> AdapterState:
+        now = self._clock()
+
+        def mutate(before: AdapterState | None) -> Mutation:
+            if before is None:
+                raise AdapterNotFound(f"adapter {name!r} not found")
+            after = lifecycle.apply(before, action, details)
+            touched = {v: (r.model_copy(update={"updated_at": now}) if before.versions.get(v) != r else r)
+                       for v, r in after.versions.items()}
+            after = after.model_copy(update={"versions": touched})
+            return Mutation(state=after, audit=AuditEntry(
+                seq=0, ts=now, actor=actor, action=action, name=name, version=details.get("version"),
+                details=details, before=before.head(), after=after.head()))
+
+        state, _ = self.metadata.update(name, mutate)
+        return state
+
+    def promote(self, name: str, version: int, *, actor: str = "system") -> AdapterState:
+        return self._transition(name, "promote", {"version": int(version)}, actor)
+
+    def canary(self, name: str, version: int, weight: float, *, actor: str = "system") -> AdapterState:
+        return self._transition(name, "canary", {"version": int(version), "weight": float(weight)}, actor)
+
+    def rollback(self, name: str, *, actor: str = "system") -> AdapterState:
+        return self._transition(name, "rollback", {}, actor)
+
+    def disable(self, name: str, *, actor: str = "system") -> AdapterState:
+        return self._transition(name, "disable", {}, actor)
+
+    def enable(self, name: str, *, actor: str = "system") -> AdapterState:
+        return self._transition(name, "enable", {}, actor)
+
+    def retire(self, name: str, version: int, *, actor: str = "system") -> AdapterState:
+        return self._transition(name, "retire", {"version": int(version)}, actor)
+
+    # -- reads ---------------------------------------------------------------------------------------------
+    def get(self, name: str) -> AdapterState:
+        state = self.metadata.get_state(name)
+        if state is None:
+            raise AdapterNotFound(f"adapter {name!r} not found")
+        return state
+
+    def resolve(self, name: str, tenant: str | None, request_id: str | None = None) -> AdapterRecord:
+        return resolve_version(self.metadata.get_state(name), name, tenant, request_id)
+
+    def list_adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
+        """Active versions of enabled adapters the tenant may see (what the serving layer can offer)."""
+        out = []
+        for state in self.metadata.list_states():
+            if state.active_version is None or state.disabled:
+                continue
+            rec = state.versions[state.active_version]
+            if rec.visible_to(tenant):
+                out.append(rec)
+        return out
+
+    def list_states(self) -> list[AdapterState]:
+        return self.metadata.list_states()
+
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]:
+        return self.metadata.audit(name, after_seq, limit)
+
+    def revision(self) -> int:
+        return self.metadata.revision()
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        return self.metadata.subscribe(callback)
+
+    # -- files ---------------------------------------------------------------------------------------------
+    def materialize(self, rec: AdapterRecord) -> Path:
+        """-> local directory with the version's files, each re-hashed against the record after download."""
+        if rec.status in (AdapterStatus.failed, AdapterStatus.staged, AdapterStatus.retired) or not rec.files:
+            raise LifecycleConflict(f"{rec.name} v{rec.version} is {rec.status.value}; it has no servable files")
+        root = Path(self.settings.materialize_dir)
+        dest = root / rec.name / f"v{rec.version}"
+        expected = {n: f.model_dump() for n, f in rec.files.items()}
+        if _is_verified(dest, expected):
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".v{rec.version}-"))
+        try:
+            for fname, entry in rec.files.items():
+                self.blobs.get(entry.sha256, tmp / fname)
+                actual = sha256_file(tmp / fname)
+                if actual != entry.sha256:
+                    raise RegistryError(f"blob for {rec.name} v{rec.version} {fname} is corrupt: sha256 {actual} "
+                                        f"!= {entry.sha256}", code="corrupt_blob")
+            (tmp / _VERIFIED_MARKER).write_text(json.dumps(expected, sort_keys=True))
+            if dest.exists():  # a stale or concurrent copy: replace it only if it does not verify
+                if _is_verified(dest, expected):
+                    return dest
+                shutil.rmtree(dest, ignore_errors=True)
+            try:
+                os.replace(tmp, dest)
+            except OSError:
+                if not _is_verified(dest, expected):  # lost a race to another materializer, whose copy verifies
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+
+def _is_verified(dest: Path, expected: dict[str, dict]) -> bool:
+    """The marker is written only after every file was re-hashed; sizes catch later truncation."""
+    try:
+        if json.loads((dest / _VERIFIED_MARKER).read_text()) != expected:
+            return False
+        return all((dest / n).stat().st_size == e["size"] for n, e in expected.items())
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,150 @@
+"""Metadata in one SQLite file (the embedded default). `BEGIN IMMEDIATE` takes the write lock before reading,
+so a read-modify-write never interleaves with another writer, across threads and processes alike."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Callable
+
+from registry.base_model import BaseModelSpec
+from registry.metadata_store import Event, Mutation, changed_versions
+from registry.records import AdapterRecord, AdapterState, AuditEntry
+
+__all__ = ["SQLiteMetadataStore"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS adapters (name TEXT PRIMARY KEY, head TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS versions (name TEXT NOT NULL, version INTEGER NOT NULL, record TEXT NOT NULL,
+                                     PRIMARY KEY (name, version));
+CREATE TABLE IF NOT EXISTS base_models (name TEXT PRIMARY KEY, spec TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS audit (seq INTEGER PRIMARY KEY, name TEXT NOT NULL, entry TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS audit_name ON audit (name, seq);
+"""
+
+
+class SQLiteMetadataStore:
+    def __init__(self, path: str | Path, poll_interval_s: float = 0.5):
+        self._path = Path(path)
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._poll = poll_interval_s
+        self._local = threading.local()  # one connection per thread: sqlite3 connections are not thread-safe
+        with self._conn() as c:
+            c.execute("PRAGMA journal_mode=WAL")
+            c.executescript(_SCHEMA)
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self._path, timeout=30.0, isolation_level=None)
+            self._local.conn = conn
+        return conn
+
+    # -- reads ---------------------------------------------------------------------------------------------
+    def _read_state(self, c: sqlite3.Connection, name: str) -> AdapterState | None:
+        row = c.execute("SELECT head FROM adapters WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            return None
+        state = AdapterState.model_validate_json(row[0])
+        recs = c.execute("SELECT version, record FROM versions WHERE name = ? ORDER BY version", (name,)).fetchall()
+        return state.model_copy(update={"versions": {v: AdapterRecord.model_validate_json(r) for v, r in recs}})
+
+    def get_state(self, name: str) -> AdapterState | None:
+        return self._read_state(self._conn(), name)
+
+    def list_states(self) -> list[AdapterState]:
+        names = [r[0] for r in self._conn().execute("SELECT name FROM adapters ORDER BY name")]
+        return [s for s in (self.get_state(n) for n in names) if s is not None]
+
+    def get_base_model(self, name: str) -> BaseModelSpec | None:
+        row = self._conn().execute("SELECT spec FROM base_models WHERE name = ?", (name,)).fetchone()
+        return BaseModelSpec.model_validate_json(row[0]) if row else None
+
+    def list_base_models(self) -> list[BaseModelSpec]:
+        rows = self._conn().execute("SELECT spec FROM base_models ORDER BY name").fetchall()
+        return [BaseModelSpec.model_validate_json(r[0]) for r in rows]
+
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]:
+        if name is None:
+            rows = self._conn().execute("SELECT entry FROM audit WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
+        else:
+            rows = self._conn().execute("SELECT entry FROM audit WHERE name = ? AND seq > ? ORDER BY seq LIMIT ?",
+                                        (name, after_seq, limit))
+        return [AuditEntry.model_validate_json(r[0]) for r in rows.fetchall()]
+
+    def revision(self) -> int:
+        return self._conn().execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0]
+
+    # -- writes --------------------------------------------------------------------------------------------
+    def _transaction(self, body: Callable[[sqlite3.Connection], Mutation]) -> tuple[Mutation, AuditEntry]:
+        c = self._conn()
+        c.execute("BEGIN IMMEDIATE")
+        try:
+            mutation = body(c)
+            seq = c.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0] + 1
+            entry = mutation.audit.model_copy(update={"seq": seq})
+            c.execute("INSERT INTO audit (seq, name, entry) VALUES (?, ?, ?)", (seq, entry.name, entry.model_dump_json()))
+            c.execute("COMMIT")
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        return mutation, entry
+
+    def update(self, name: str, fn: Callable[[AdapterState | None], Mutation]) -> tuple[AdapterState | None, AuditEntry]:
+        def body(c: sqlite3.Connection) -> Mutation:
+            before = self._read_state(c, name)
+            mutation = fn(before)
+            if mutation.state is not None:
+                after = mutation.state
+                c.execute("INSERT OR REPLACE INTO adapters (name, head) VALUES (?, ?)",
+                          (name, after.model_dump_json(exclude={"versions"})))
+                for v in changed_versions(before, after):
+                    c.execute("INSERT OR REPLACE INTO versions (name, version, record) VALUES (?, ?, ?)",
+                              (name, v, after.versions[v].model_dump_json()))
+            return mutation
+
+        mutation, entry = self._transaction(body)
+        return mutation.state, entry
+
+    def update_base_model(self, name: str, fn: Callable[[BaseModelSpec | None], Mutation]) -> AuditEntry:
+        def body(c: sqlite3.Connection) -> Mutation:
+            row = c.execute("SELECT spec FROM base_models WHERE name = ?", (name,)).fetchone()
+            mutation = fn(BaseModelSpec.model_validate_json(row[0]) if row else None)
+            if mutation.base_model is not None:
+                c.execute("INSERT OR REPLACE INTO base_models (name, spec) VALUES (?, ?)",
+                          (name, mutation.base_model.model_dump_json()))
+            return mutation
+
+        return self._transaction(body)[1]
+
+    def append_audit(self, entry: AuditEntry) -> AuditEntry:
+        return self._transaction(lambda c: Mutation(audit=entry))[1]
+
+    # -- change feed ---------------------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """SQLite has no push channel: a daemon thread polls the audit table for new entries."""
+        stop = threading.Event()
+        last = self.revision()
+
+        def poll() -> None:
+            nonlocal last
+            while not stop.wait(self._poll):
+                for e in self.audit(after_seq=last, limit=1000):
+                    last = e.seq
+                    callback({"name": e.name, "action": e.action, "revision": e.seq})
+
+        thread = threading.Thread(target=poll, name="registry-sqlite-poll", daemon=True)
+        thread.start()
+
+        def unsubscribe() -> None:
+            stop.set()
+            thread.join(timeout=5)
+
+        return unsubscribe
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None

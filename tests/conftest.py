@@ -1,0 +1,9 @@
+"""Suite-wide setup: the repository root on sys.path (so `tests.fixtures` imports under plain `pytest`),
+and one torch thread per test process so parallel services on 2 cores don't oversubscribe."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)

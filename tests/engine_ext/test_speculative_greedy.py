@@ -1,0 +1,122 @@
+"""Speculative LoRA-off drafting is lossless under greedy decoding: token-for-token the plain output."""
+
+import pytest
+
+from char_tokenizer import add_char_tokenizer
+from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from tiny_models import build_adapter, build_model
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Distances from the base span near (most drafts accepted) to far (most rejected).
+ADAPTERS = {
+    "near-r8": dict(r=8, target_modules=ALL, std=0.03),
+    "mid-r16": dict(r=16, target_modules=("q_proj", "v_proj", "down_proj"), std=0.08),
+    "far-r64": dict(r=64, alpha=64, target_modules=ALL, std=0.08),
+    "near-r32-rslora": dict(r=32, target_modules=("q_proj", "k_proj", "o_proj"), use_rslora=True, std=0.02),
+}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [3, 3], [50, 60, 70], [5, 4, 3, 2, 1, 9]]
+NAMES = ["near-r8", None, "mid-r16", "far-r64", "near-r32-rslora", None]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    model = build_model(request.param, str(root / "m"))
+    adapters = {n: build_adapter(model, str(root / n), seed=i, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
+    plain = make_engine(model, adapters, None)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS,
+                                                    adapter_names=NAMES)]
+    return model, adapters, expected
+
+
+def make_engine(model, adapters, spec, **kw):
+    kw.setdefault("num_kv_blocks", 512)
+    kw.setdefault("block_size", 4)
+    engine = LLMEngine(EngineConfig(model=model, max_loras=4, speculative=spec, **kw))
+    for n, p in adapters.items():
+        engine.add_adapter(n, p)
+    return engine
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
+def test_identical_to_plain_for_every_draft_length(setup, k):
+    model, adapters, expected = setup
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=k, gate=False))
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == expected
+    stats = engine.stats()
+    assert stats["speculative"]["draft_passes"] > 0
+    near = stats["adapters"]["near-r8"]
+    assert near["accepted_tokens"] > 0 and near["drafted_tokens"] >= near["accepted_tokens"]
+    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
+
+
+def test_identical_under_preemption(setup):
+    model, adapters, expected = setup
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=4, gate=False), num_kv_blocks=16)
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.stats()["num_preemptions"] > 0
+
+
+def test_identical_with_gate_on(setup):
+    model, adapters, expected = setup
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=4, gate=True))
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == expected
+    decisions = engine.stats()["speculative"]["gate_decisions"]
+    assert decisions and sum(decisions.values()) <= engine.stats()["num_steps"]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 7, 10])
+def test_max_tokens_inside_accepted_run(setup, max_tokens):
+    model, adapters, _ = setup
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    names = ["near-r8", "near-r32-rslora", None]
+    prompts = PROMPTS[:3]
+    plain = make_engine(model, adapters, None).generate(prompt_token_ids=prompts, sampling_params=params,
+                                                         adapter_names=names)
+    spec = make_engine(model, adapters, SpecConfig(num_draft_tokens=6, gate=False)).generate(
+        prompt_token_ids=prompts, sampling_params=params, adapter_names=names)
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids and len(b.token_ids) == max_tokens and b.finish_reason == "length"
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def text_setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    model = add_char_tokenizer(build_model("llama", str(root / "m"), vocab_size=31, seed=request.param))
+    adapters = {"near": build_adapter(model, str(root / "near"), seed=3, r=8, target_modules=ALL, std=0.02)}
+    return model, adapters
+
+
+def test_stop_strings_and_tokens_inside_accepted_runs(text_setup):
+    model, adapters = text_setup
+    prompt = "the quick brown fox"
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    free = make_engine(model, adapters, None).generate(prompts=[prompt], sampling_params=greedy,
+                                                       adapter_names=["near"])[0]
+    # Greedy text of a random tiny model runs in long letter runs ("xxxrrrrrdddd"): stop where the last run starts.
+    cut = max(i for i in range(len(free.text) - 1) if free.text[i] != free.text[i + 1])
+    stop, stop_id = free.text[cut : cut + 2], free.token_ids[cut + 1]
+    for params in (SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]),
+                   SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])):
+        plain_engine = make_engine(model, adapters, None)
+        spec_engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=6, gate=False))
+        a = plain_engine.generate(prompts=[prompt], sampling_params=params, adapter_names=["near"])[0]
+        streamed = stream(spec_engine, prompt, params)
+        b = streamed[-1]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert a.finish_reason == "stop" and len(a.token_ids) < 30
+        assert [t for o in streamed for t in o.new_token_ids] == a.token_ids  # same tokens, same order
+        assert "".join(o.delta_text for o in streamed) == a.text
+        assert spec_engine.stats()["adapters"]["near"]["mean_accepted_length"] > 1  # runs were accepted
+
+
+def stream(engine, prompt, params):
+    engine.add_request("r", prompt=prompt, sampling_params=params, adapter_name="near")
+    outs = []
+    while engine.has_unfinished_requests:
+        outs.extend(engine.step())
+    return outs

@@ -1,0 +1,48 @@
+"""Helpers shared by the registry tests: constants, hashing, building PEFT adapters, uploading to S3."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from pathlib import Path
+
+__all__ = ["BASE", "BACKENDS", "INCOMING_BUCKET", "TEST_LIMITS", "sha_map", "build_adapter", "upload_dir"]
+
+BASE = "tiny-llama"
+BACKENDS = ["sqlite+local", "redis+s3"]
+INCOMING_BUCKET = "incoming"
+TEST_LIMITS = dict(max_lora_rank=8, max_file_bytes=256 * 1024, max_total_bytes=512 * 1024, max_files=4)
+
+
+def sha_map(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def build_adapter(base_dir: Path, out: Path, seed: int, r: int = 4) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM.from_pretrained(base_dir)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():  # PEFT initialises lora_B to zero; a zero adapter would hide factor mix-ups
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02)
+    peft_model.save_pretrained(out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = BASE
+    (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "README.md").unlink(missing_ok=True)
+
+
+def upload_dir(endpoint: str, directory: Path, bucket: str = INCOMING_BUCKET, prefix: str = "uploads") -> str:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    key = f"{prefix}/{directory.name}-{uuid.uuid4().hex[:6]}"
+    for p in directory.iterdir():
+        s3.upload_file(str(p), bucket, f"{key}/{p.name}")
+    return f"s3://{bucket}/{key}"

@@ -1,0 +1,186 @@
+"""Acceptance 2: bad registrations through the REST API are refused with a 4xx naming the problem and leave
+no trace but a `failed` version (with the reason) and its audit entries: no blob stored, nothing else changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file, save_file
+
+from registry.api import create_app
+from tests.registry.adapter_kit import BASE, sha_map
+
+W = "adapter_model.safetensors"
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+ADMIN = {"Authorization": "Bearer admin-token"}
+
+
+def _edit_config(**changes) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg.update(changes)
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+    return mutate
+
+
+def _edit_tensor(fn: Callable[[dict], None]) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        tensors = load_file(d / W)
+        fn(tensors)
+        save_file(tensors, d / W)
+    return mutate
+
+
+def _raw_header(header: bytes, length: int | None = None, data: bytes = b"") -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        (d / W).write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return mutate
+
+
+def _set(tensors: dict, name: str, value) -> None:
+    tensors[name] = value
+
+
+def _poison(value: float) -> Callable[[dict], None]:
+    def fn(t: dict) -> None:
+        t[Q_A] = t[Q_A].clone()
+        t[Q_A][0, 3] = value
+    return fn
+
+
+def _write(name: str, data: bytes) -> Callable[[Path], None]:
+    return lambda d: (d / name).write_bytes(data)
+
+
+def _symlink_out(target: Path) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        (d / "adapter_config.json").unlink()
+        os.symlink(target, d / "adapter_config.json")
+    return mutate
+
+
+def _extra_files(n: int) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        for i in range(n):
+            (d / f"extra{i}.safetensors").write_bytes((d / W).read_bytes())
+    return mutate
+
+
+def _rm(name: str) -> Callable[[Path], None]:
+    return lambda d: (d / name).unlink()
+
+
+# id -> (template, mutate, uri transform, sha256 transform, base model, expected code, words in the message)
+CASES = {
+    "dotdot_traversal": ("a", None, lambda u, r, b: f"{r}/../{Path(u).name}", None, BASE, "path_traversal", "traversal"),
+    "absolute_outside_root": ("a", None, lambda u, r, b: str(b), None, BASE, "path_traversal", "outside"),
+    "symlink_out": ("a", "symlink", None, None, BASE, "path_traversal", "symlink"),
+    "http_scheme": ("a", None, lambda u, r, b: "http://example.com/adapters/x", None, BASE, "scheme_not_allowed", "http"),
+    "file_scheme": ("a", None, lambda u, r, b: f"file://{u}", None, BASE, "scheme_not_allowed", "file"),
+    "bucket_not_allowed": ("a", None, lambda u, r, b: "s3://evil-bucket/uploads/x", None, BASE, "bucket_not_allowed",
+                           "not allowed"),
+    "missing_config": ("a", _rm("adapter_config.json"), None, None, BASE, "missing_config", "adapter_config.json"),
+    "malformed_config": ("a", _write("adapter_config.json", b"{r: 4,"), None, None, BASE, "bad_config", "malformed"),
+    "wrong_field_types": ("a", _edit_config(r="4", target_modules=[1, 2]), None, None, BASE, "bad_config", "'r'"),
+    "unknown_base_model": ("a", None, None, None, "no-such-model", "unknown_base_model", "no-such-model"),
+    "base_model_mismatch": ("a", _edit_config(base_model_name_or_path="meta-llama/Llama-2-7b-hf"), None, None, BASE,
+                            "base_model_mismatch", "Llama-2-7b"),
+    "rank_too_high": ("r16", None, None, None, BASE, "rank_too_high", "rank 16"),
+    "unknown_target_module": ("a", _edit_config(target_modules=["q_proj", "W_pack"]), None, None, BASE,
+                              "unknown_target_module", "W_pack"),
+    "tensor_shape_mismatch": ("a", _edit_tensor(lambda t: _set(t, Q_A, torch.zeros(4, 32))), None, None, BASE,
+                              "shape_mismatch", "[4, 32]"),
+    "tensor_dtype": ("a", _edit_tensor(lambda t: _set(t, Q_A, torch.zeros(4, 64, dtype=torch.int32))), None, None,
+                     BASE, "dtype_mismatch", "I32"),
+    "unexpected_tensor": ("a", _edit_tensor(lambda t: _set(t, "base_model.model.lm_head.weight", torch.zeros(2, 2))),
+                          None, None, BASE, "tensor_mismatch", "lm_head"),
+    "nan": ("a", _edit_tensor(_poison(float("nan"))), None, None, BASE, "non_finite", "NaN"),
+    "inf": ("a", _edit_tensor(_poison(float("inf"))), None, None, BASE, "non_finite", "Inf"),
+    "sha256_mismatch": ("a", None, None, lambda s: s | {W: "0" * 64}, BASE, "sha256_mismatch", "sha256 mismatch"),
+    "sha256_undeclared": ("a", None, None, lambda s: {k: v for k, v in s.items() if k != W}, BASE, "sha256_missing",
+                          W),
+    "bin_file": ("a", _write("adapter_model.bin", b"\x80\x02pickle"), None, None, BASE, "unsafe_file_type", ".bin"),
+    "pt_file": ("a", _write("weights.pt", b"\x80\x02pickle"), None, None, BASE, "unsafe_file_type", "pickle"),
+    "oversize_file": ("a", _write("README.md", b"x" * (300 * 1024)), None, None, BASE, "file_too_large", "oversize"),
+    "too_many_files": ("a", _extra_files(3), None, None, BASE, "too_many_files", "too many files"),
+    "absurd_header_length": ("a", _raw_header(b"{}", length=2**62), None, None, BASE, "bad_safetensors",
+                             "header length"),
+    "header_not_json": ("a", _raw_header(b"{not json!"), None, None, BASE, "bad_safetensors", "not valid JSON"),
+    "header_offsets_out_of_range": ("a", _raw_header(json.dumps(
+        {Q_A: {"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 1024]}}).encode(), data=b"\0" * 16), None, None,
+        BASE, "bad_safetensors", "outside"),
+    "truncated_file": ("a", _write(W, b"\x01\x02"), None, None, BASE, "bad_safetensors", "shorter"),
+}
+
+
+@pytest.fixture
+def client_and_reg(make_registry, backend):
+    reg = make_registry(backend)
+    return TestClient(create_app(reg, {"admin-token": {"role": "admin", "name": "root"}})), reg
+
+
+def _snapshot(reg, skip: str) -> tuple:
+    return ([s for s in reg.list_states() if s.name != skip], reg.blobs.list())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_registration_refused_and_leaves_only_failed_version(case, client_and_reg, stage, incoming_root,
+                                                                 tiny_base, adapter_templates):
+    client, reg = client_and_reg
+    template, mutate, uri_fn, sha_fn, base, code, words = CASES[case]
+    # A healthy, active adapter that must come out untouched.
+    good = stage("b")
+    assert client.post("/v1/adapters", headers=ADMIN, json={"name": "keep", "source_uri": str(good),
+                       "sha256": sha_map(good), "base_model": BASE, "activate": True}).status_code == 201
+    src = stage(template, None if mutate == "symlink" else mutate)
+    sha = sha_map(src)  # hashes of the files as they are, so only the intended defect is wrong
+    if mutate == "symlink":
+        _symlink_out(tiny_base / "config.json")(src)
+    uri = uri_fn(str(src), str(incoming_root), tiny_base) if uri_fn else str(src)
+    before, rev = _snapshot(reg, "bad"), reg.revision()
+
+    resp = client.post("/v1/adapters", headers=ADMIN, json={"name": "bad", "source_uri": uri,
+                       "sha256": sha_fn(sha) if sha_fn else sha, "base_model": base})
+
+    assert 400 <= resp.status_code < 500, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == code and words in err["message"], err
+    state = reg.get("bad")
+    assert list(state.versions) == [1] and state.active_version is None
+    failed = state.versions[1]
+    assert failed.status.value == "failed" and failed.failure_code == code and failed.failure_reason == err["message"]
+    assert failed.files == {}
+    assert [e.action for e in reg.audit(name="bad")] == ["stage", "register_failed"]
+    assert reg.revision() == rev + 2
+    assert _snapshot(reg, "bad") == before  # no blob written, other adapters untouched
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "", "x" * 65, "base:adapter", "-dash"])
+def test_invalid_name_refused_with_audit_only(name, client_and_reg, stage):
+    client, reg = client_and_reg
+    src = stage("a")
+    rev = reg.revision()
+    resp = client.post("/v1/adapters", headers=ADMIN, json={"name": name, "source_uri": str(src),
+                       "sha256": sha_map(src), "base_model": BASE})
+    assert resp.status_code == 422 and resp.json()["error"]["code"] == "invalid_name"
+    assert "invalid adapter name" in resp.json()["error"]["message"]
+    assert reg.list_states() == [] and reg.blobs.list() == []
+    (entry,) = reg.audit(after_seq=rev)
+    assert entry.action == "register_rejected" and entry.actor == "root"
+
+
+def test_registering_for_a_base_model_with_other_shapes_is_refused(client_and_reg, stage, tiny_base):
+    client, reg = client_and_reg
+    cfg = json.loads((tiny_base / "config.json").read_text()) | {"hidden_size": 96, "head_dim": 24}
+    assert client.post("/v1/base-models", headers=ADMIN, json={"name": "tiny-llama-wide", "config": cfg}).status_code == 201
+    src = stage("a", _edit_config(base_model_name_or_path="tiny-llama-wide"))
+    resp = client.post("/v1/adapters", headers=ADMIN, json={"name": "w", "source_uri": str(src),
+                       "sha256": sha_map(src), "base_model": "tiny-llama-wide"})
+    assert resp.status_code == 422 and resp.json()["error"]["code"] == "shape_mismatch"

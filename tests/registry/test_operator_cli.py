@@ -1,0 +1,114 @@
+"""The `lora-registry` CLI: direct mode (settings from env) in-process and as the installed console script, and
+REST mode against the control plane served by uvicorn on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+
+from registry.cli import main
+from tests.fixtures.services import free_port
+from tests.registry.adapter_kit import BASE, TEST_LIMITS
+
+
+@pytest.fixture
+def cli_env(monkeypatch, tmp_path, incoming_root):
+    env = {"REGISTRY_DB": str(tmp_path / "r.db"), "BLOB_DIR": str(tmp_path / "blobs"),
+           "MATERIALIZE_DIR": str(tmp_path / "mat"), "ALLOWED_LOCAL_ROOTS": f"{incoming_root},/nonexistent",
+           **{k.upper(): str(v) for k, v in TEST_LIMITS.items()}}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("S3_BUCKET", raising=False)
+    monkeypatch.delenv("LORA_REGISTRY_URL", raising=False)
+    return env
+
+
+def run(capsys, *argv) -> tuple[int, object, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, (json.loads(out) if code == 0 else None), err
+
+
+def test_direct_mode_push_and_lifecycle(cli_env, capsys, adapter_templates, tiny_base):
+    assert run(capsys, "base-model", BASE, str(tiny_base))[0] == 0
+    code, rec, err = run(capsys, "--actor", "bob", "push", str(adapter_templates["a"]), "--name", "ops",
+                         "--base-model", BASE, "--label", "team=search")
+    assert code == 0, err
+    assert rec["status"] == "ready" and rec["labels"] == {"team": "search"}
+    assert "push ops" in err and "B" in err  # tqdm progress bar on stderr
+    assert run(capsys, "push", str(adapter_templates["b"]), "--name", "ops", "--base-model", BASE,
+               "--activate")[1]["status"] == "active"
+    assert run(capsys, "canary", "ops", "1", "0.25")[1]["canary_version"] == 1
+    assert run(capsys, "promote", "ops", "1")[1]["active_version"] == 1
+    assert run(capsys, "rollback", "ops")[1]["active_version"] == 2
+    assert run(capsys, "disable", "ops")[1]["disabled"] is True
+    assert run(capsys, "enable", "ops")[1]["disabled"] is False
+    assert run(capsys, "retire", "ops", "1")[1]["versions"]["1"]["status"] == "retired"
+    assert [a["name"] for a in run(capsys, "list")[1]] == ["ops"]
+    assert run(capsys, "show", "ops")[1]["active_version"] == 2
+    audit = run(capsys, "audit", "--name", "ops")[1]
+    assert [e["action"] for e in audit][-6:] == ["canary", "promote", "rollback", "disable", "enable", "retire"]
+    assert audit[0]["actor"] == "bob"
+
+
+def test_direct_mode_refusal_exits_nonzero_with_reason(cli_env, capsys, adapter_templates, tiny_base, tmp_path):
+    assert run(capsys, "base-model", BASE, str(tiny_base))[0] == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(adapter_templates["r16"], bad)
+    code, _, err = run(capsys, "push", str(bad), "--name", "big", "--base-model", BASE)
+    assert code == 1 and "rank 16 is too high" in err
+    code, _, err = run(capsys, "promote", "big", "1")
+    assert code == 1 and "failed" in err
+
+
+def test_console_script_is_installed(cli_env, adapter_templates, tiny_base):
+    exe = shutil.which("lora-registry", path=os.path.dirname(os.sys.executable))
+    assert exe, "console script lora-registry not installed in the venv"
+    env = {**os.environ, **cli_env}
+    subprocess.run([exe, "base-model", BASE, str(tiny_base)], env=env, check=True, capture_output=True)
+    out = subprocess.run([exe, "push", str(adapter_templates["a"]), "--name", "cs", "--base-model", BASE],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["status"] == "ready"
+
+
+@pytest.fixture
+def served(make_registry):
+    """The control plane over real HTTP: uvicorn in a thread on a free port."""
+    import uvicorn
+
+    from registry.api import create_app
+
+    reg = make_registry("sqlite+local")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(reg, {"tok": {"role": "admin", "name": "cli-admin"}}),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", reg
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_rest_mode_against_uvicorn(served, cli_env, capsys, adapter_templates):
+    url, reg = served
+    code, rec, err = run(capsys, "--url", url, "--token", "tok", "push", str(adapter_templates["a"]), "--name", "r",
+                         "--base-model", BASE, "--activate")
+    assert code == 0, err
+    assert rec["status"] == "active" and reg.resolve("r", None).version == 1
+    assert run(capsys, "--url", url, "--token", "tok", "disable", "r")[1]["disabled"] is True
+    assert [e["actor"] for e in run(capsys, "--url", url, "--token", "tok", "audit", "--name", "r")[1]] == \
+        ["cli-admin"] * 4
+    code, _, err = run(capsys, "--url", url, "--token", "nope", "list")
+    assert code == 1 and "HTTP 401" in err
