@@ -1,5 +1,4 @@
-"""Suite-wide setup: the repository root on sys.path (so `tests.fixtures` imports under plain `pytest`),
-and one torch thread per test process so parallel services on 2 cores don't oversubscribe."""
+"""Suite-wide setup: the repository root on sys.path, so `tests.fixtures` imports under plain `pytest`."""
 
 import os
 import sys
