@@ -8,6 +8,7 @@ blocks to physical ones. A faster kernel can replace `paged_attention` behind th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,6 +21,9 @@ class AttnMetadata:
     token_seq: torch.Tensor  # [T] which sequence (row of block_tables) each token belongs to
     token_qidx: torch.Tensor  # [T] index of the token among its sequence's query tokens
     max_query_len: int
+    # The attention kernel this forward runs (same signature as paged_attention); None: the torch
+    # reference below. Set per forward by the model runner from EngineConfig.attn_backend.
+    kernel: Callable | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -40,6 +44,8 @@ def paged_attention(
     """out[t] = softmax(q[t] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]   -> [T, H, D].
 
     Causal over each sequence's own cache; queries of one sequence may be many (prefill, verify)."""
+    if meta.kernel is not None:
+        return meta.kernel(q, k_cache, v_cache, meta, scale, sliding_window)
     num_tokens, heads, d = q.shape
     kvh = k_cache.shape[2]
     group = heads // kvh
@@ -61,3 +67,19 @@ def paged_attention(
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.einsum("bkgql,bkld->bqkgd", probs, values).reshape(b, meta.max_query_len, heads, d)
     return out[meta.token_seq, meta.token_qidx]
+
+
+# ---------------------------------------------------------------- kernel registry (attn_backend)
+_ATTN_BACKENDS: dict[str, Callable | None] = {"torch": None}
+
+
+def register_attention_backend(name: str, kernel: Callable) -> None:
+    _ATTN_BACKENDS[name] = kernel
+
+
+def get_attention_kernel(name: str) -> Callable | None:
+    """The kernel for AttnMetadata.kernel; None for the torch reference."""
+    try:
+        return _ATTN_BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attn_backend {name!r}; available: {sorted(_ATTN_BACKENDS)}") from None

@@ -44,7 +44,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
-    lora_backend: str = "torch"  # name of the batched LoRA op (see lora_ops.py)
+    lora_backend: str = "torch"  # name of the batched LoRA op (see lora_ops.py); "triton" on a GPU
+    attn_backend: str = "torch"  # paged attention kernel (see attention.py); "triton" on a GPU
+    # CUDA graphs for decode-shaped forwards of up to `max_graph_tokens` tokens (cuda_graphs.py);
+    # needs a CUDA device and attn_backend "triton". Keep max_model_len modest: block tables are static.
+    cuda_graphs: bool = False
+    max_graph_tokens: int = 512
     speculative: SpecConfig | None = None
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
@@ -61,5 +66,9 @@ class EngineConfig:
             raise ValueError("max_cpu_loras must be >= max_loras (device slots are filled from the host cache)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.cuda_graphs and (not self.device.startswith("cuda") or self.attn_backend != "triton"):
+            raise ValueError("cuda_graphs needs a CUDA device and attn_backend='triton'")
+        if self.max_graph_tokens < 1:
+            raise ValueError("max_graph_tokens must be >= 1")
         if isinstance(self.speculative, dict):
             self.speculative = SpecConfig(**self.speculative)

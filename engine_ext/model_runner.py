@@ -7,6 +7,7 @@ import logging
 import torch
 
 from .adapter_slots import AdapterSlots
+from .attention import get_attention_kernel
 from .batch import ForwardBatch, SeqWork, build_forward_batch
 from .config import EngineConfig
 from .lora_ops import get_lora_op
@@ -38,21 +39,42 @@ class ModelRunner:
         self.model.load_weights(config.model)
         self.model.eval()
         self.num_blocks = _kv_blocks(config, spec, device)
-        shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+        # With CUDA graphs one extra block, never handed out, takes the KV of padding tokens.
+        shape = (self.num_blocks + int(config.cuda_graphs), config.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=config.torch_dtype, device=device),
              torch.zeros(shape, dtype=config.torch_dtype, device=device))
             for _ in range(spec.num_layers)
         ]
+        if "triton" in (config.lora_backend, config.attn_backend):
+            from .kernels import install
+
+            install()
         self.lora_op = get_lora_op(config.lora_backend)
+        self.attn_kernel = get_attention_kernel(config.attn_backend)
+        self.graphs = self._decode_graphs() if config.cuda_graphs else None
         logger.info("model %s loaded on %s: %d KV blocks of %d tokens", spec.architecture, device,
                     self.num_blocks, config.block_size)
 
     @torch.inference_mode()
     def run(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True) -> torch.Tensor:
         """Returns next-token logits [sum(num_logits), vocab] float32. `use_lora=False`: the base model."""
+        if self.graphs is not None and self.graphs.fits(work):
+            return self.graphs.run(work, slots, use_lora)
         batch: ForwardBatch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device)
+        batch.attn.kernel = self.attn_kernel
         lora = None
         if use_lora and batch.has_lora:
             lora = LoRABatch(self.lora_op, batch.lora_slots, slots.a, slots.b, slots.scale)
         return self.model(batch.input_ids, batch.attn, self.kv_caches, batch.logits_indices, lora)
+
+    def _decode_graphs(self):
+        """CUDA graphs for forwards of up to max_graph_tokens tokens (captured on first use)."""
+        from .cuda_graphs import DecodeGraphs
+
+        cfg, spec = self.config, self.spec
+        max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        lookahead = cfg.speculative.num_draft_tokens if cfg.speculative else 0
+        width = -(-(max_len + lookahead + 1) // cfg.block_size)
+        return DecodeGraphs(self.model, self.kv_caches, self.lora_op, self.attn_kernel, cfg.block_size, width,
+                            scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device)

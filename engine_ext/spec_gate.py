@@ -30,19 +30,31 @@ def _bucket(n: int) -> int:
 
 @dataclass
 class AdapterAcceptance:
+    """Per-token acceptance a: the chance a draft is accepted given the drafts before it were.
+    Drafts after the first rejection are never judged, so a = accepted / (accepted + rejections),
+    not accepted / drafted (which would fall with the draft length for the same adapter)."""
+
     ema: float
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0
     verifies: int = 0
     idle_steps: int = 0  # plain steps since it last drafted (for probing a gated-off adapter)
 
     def observe(self, drafted: int, accepted: int, weight: float) -> None:
+        judged = accepted + (accepted < drafted)
         self.drafted += drafted
         self.accepted += accepted
+        self.rejected += accepted < drafted
         self.verifies += 1
         self.idle_steps = 0
-        if drafted:
-            self.ema = (1 - weight) * self.ema + weight * (accepted / drafted)
+        if judged:
+            self.ema = (1 - weight) * self.ema + weight * (accepted / judged)
+
+    @property
+    def rate(self) -> float | None:
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else None
 
 
 class StepTimes:
@@ -58,7 +70,19 @@ class StepTimes:
         self._t[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
     def get(self, kind: str, tokens: int, adapters: int) -> float | None:
-        return self._t.get((kind, _bucket(tokens), _bucket(adapters) if adapters else 0))
+        """The measured time at this bucket; else the nearest measured token bucket of the same kind and
+        adapter bucket, scaled up linearly when it holds fewer tokens (pessimistic where passes are
+        bandwidth-bound, right where they are compute-bound); None if nothing comparable was measured."""
+        ab = _bucket(adapters) if adapters else 0
+        tb = _bucket(tokens)
+        exact = self._t.get((kind, tb, ab))
+        if exact is not None:
+            return exact
+        known = [(t, v) for (k, t, a), v in self._t.items() if k == kind and a == ab]
+        if not known:
+            return None
+        t, v = min(known, key=lambda tv: abs(tv[0].bit_length() - tb.bit_length()))
+        return v * max(1.0, tb / t)
 
 
 class Gate:
@@ -97,7 +121,7 @@ class Gate:
         lora = self.times.get("lora", batch, distinct)
         return base / lora if base and lora else 0.5
 
-    def decide(self, adapters: list[str], lengths: list[int], num_base: int) -> bool:
+    def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None) -> bool:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);
         False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them."""
         batch, distinct = len(adapters) + num_base, len(set(adapters))
@@ -105,7 +129,10 @@ class Gate:
             self._count("speculate_forced" if any(lengths) else "plain_nothing_to_draft", "gate disabled")
             return any(lengths)
         if not any(lengths):
-            self._count("plain_low_acceptance", "every adapter's acceptance is below the drafting threshold")
+            if caps is not None and not any(caps):
+                self._count("plain_nothing_to_draft", "every sequence is one token from its end")
+            else:
+                self._count("plain_low_acceptance", "no adapter's acceptance repays a draft at the measured costs")
             return False
         passes = max(lengths)
         t_base = self.times.get("base", batch, 0)

@@ -69,9 +69,10 @@ class Speculator:
         lora_seqs = [s for s in decoding if s.adapter is not None]
         base_seqs = [s for s in decoding if s.adapter is None]
         names = [s.adapter for s in lora_seqs]
-        lengths = self.gate.draft_lengths(names, [self._cap(s) for s in lora_seqs], len(decoding))
+        caps = [self._cap(s) for s in lora_seqs]
+        lengths = self.gate.draft_lengths(names, caps, len(decoding))
         has_prefill = len(decoding) < len(batch.seqs)
-        if lora_seqs and self.gate.decide(names, lengths, len(base_seqs)):
+        if lora_seqs and self.gate.decide(names, lengths, len(base_seqs), caps):
             self.cycles += 1
             self._cycle(batch.seqs, dict(zip(map(id, lora_seqs), lengths)), base_seqs, has_prefill)
         else:
@@ -194,7 +195,8 @@ class Speculator:
         return {
             "drafted_tokens": acc.drafted,
             "accepted_tokens": acc.accepted,
-            "acceptance_rate": acc.accepted / acc.drafted if acc.drafted else None,
+            "acceptance_rate": acc.rate,  # per judged draft (see AdapterAcceptance)
+            "draft_efficiency": acc.accepted / acc.drafted if acc.drafted else None,
             "acceptance_ema": acc.ema,
             "mean_accepted_length": acc.accepted / acc.verifies if acc.verifies else None,
             "verifies": acc.verifies,

@@ -1,0 +1,160 @@
+"""CUDA graphs for decode-shaped forwards (plain decode, base-only drafting, speculative verify).
+
+One graph per (token bucket, adapters on/off). A forward of T tokens replays the graph of the
+smallest bucket >= T; the T..bucket padding tokens are token id 0 at position 0 of a scratch KV
+block the block manager never hands out, on the zero adapter slot, so they touch no real state.
+Everything that varies between steps lives in static device buffers that are graph inputs:
+token ids, positions, KV slots, block tables, each token's adapter slot. The adapter weights are
+the slot stacks themselves (static tensors the slot table copies into), so a new adapter mix or a
+newly loaded adapter needs no re-capture. The attention and LoRA kernels read per-token lengths
+and slots on the device, which is what makes one graph valid for every mix.
+
+All per-step metadata is packed on the host into one pinned buffer and sent with two copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from .attention import AttnMetadata
+from .batch import SeqWork
+
+logger = logging.getLogger(__name__)
+
+# Rows of the packed metadata buffer.
+_IDS, _POS, _KV_SLOT, _SEQ, _QIDX, _LORA, _LOGITS = range(7)
+
+
+def graph_buckets(max_tokens: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 to 128, of 32 to 256, of 64 beyond: padding waste stays under ~25%."""
+    out, n = [], 1
+    while n < min(16, max_tokens):
+        out.append(n)
+        n *= 2
+    n = 16
+    while n < max_tokens:
+        out.append(n)
+        n += 16 if n < 128 else 32 if n < 256 else 64
+    out.append(max_tokens)
+    return sorted(set(out))
+
+
+def pack_decode_batch(work: list[SeqWork], block_size: int, zero_slot: int, scratch_block: int, bucket: int,
+                      rows: np.ndarray, tables: np.ndarray) -> tuple[int, int]:
+    """Fill rows [7, >=bucket] and tables [>=bucket+1, W] for one padded forward; returns (T, N logits).
+
+    Same token order and logits order as batch.build_forward_batch; tokens T..bucket are padding."""
+    lens = np.fromiter((len(w.token_ids) for w in work), dtype=np.int64, count=len(work))
+    nlog = np.fromiter((w.num_logits for w in work), dtype=np.int64, count=len(work))
+    num_seqs, num_tokens, num_logits = len(work), int(lens.sum()), int(nlog.sum())
+    if num_tokens > bucket:
+        raise ValueError(f"{num_tokens} tokens do not fit the {bucket}-token graph")
+    for i, w in enumerate(work):
+        tables[i, : len(w.block_table)] = w.block_table
+    tables[num_seqs, 0] = scratch_block
+    ends = np.cumsum(lens)
+    seq = np.repeat(np.arange(num_seqs), lens)
+    qidx = np.arange(num_tokens) - np.repeat(ends - lens, lens)
+    pos = np.repeat(np.fromiter((w.start for w in work), dtype=np.int64, count=num_seqs), lens) + qidx
+    rows[:, num_tokens:bucket] = 0
+    rows[_IDS, :num_tokens] = np.fromiter((t for w in work for t in w.token_ids), dtype=np.int64, count=num_tokens)
+    rows[_POS, :num_tokens] = pos
+    rows[_KV_SLOT, :num_tokens] = tables[seq, pos // block_size] * block_size + pos % block_size
+    rows[_KV_SLOT, num_tokens:bucket] = scratch_block * block_size
+    rows[_SEQ, :num_tokens] = seq
+    rows[_SEQ, num_tokens:bucket] = num_seqs
+    rows[_QIDX, :num_tokens] = qidx
+    rows[_LORA, :num_tokens] = np.repeat(np.fromiter((w.lora_slot for w in work), dtype=np.int64,
+                                                     count=num_seqs), lens)
+    rows[_LORA, num_tokens:bucket] = zero_slot
+    log_ends = np.cumsum(nlog)
+    rows[_LOGITS, :num_logits] = np.repeat(ends - nlog, nlog) + np.arange(num_logits) - np.repeat(log_ends - nlog, nlog)
+    return num_tokens, num_logits
+
+
+class DecodeGraphs:
+    """Captured forwards of `model` at bucketed token counts, replayed for decode-shaped batches."""
+
+    def __init__(self, model, kv_caches, lora_op, attn_op, block_size: int, max_blocks_per_seq: int,
+                 scratch_block: int, max_tokens: int, device: torch.device):
+        self.model, self.kv_caches, self.lora_op, self.attn_op = model, kv_caches, lora_op, attn_op
+        self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
+        self.buckets = graph_buckets(max_tokens)
+        tmax, width = self.buckets[-1], max_blocks_per_seq
+        self.width = width
+        self.host_rows = torch.zeros(7, tmax, dtype=torch.long, pin_memory=True)
+        self.host_tables = torch.full((tmax + 1, width), scratch_block, dtype=torch.long, pin_memory=True)
+        self.rows = torch.zeros(7, tmax, dtype=torch.long, device=device)
+        self.tables = torch.full((tmax + 1, width), scratch_block, dtype=torch.long, device=device)
+        self._np_rows, self._np_tables = self.host_rows.numpy(), self.host_tables.numpy()
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds: float | None = None
+        self._copied = torch.cuda.Event()
+        self._slots = None
+
+    def _forward(self, bucket: int, use_lora: bool) -> torch.Tensor:
+        from .model import LoRABatch
+
+        r = self.rows
+        meta = AttnMetadata(positions=r[_POS, :bucket], slot_mapping=r[_KV_SLOT, :bucket],
+                            block_tables=self.tables[: bucket + 1], token_seq=r[_SEQ, :bucket],
+                            token_qidx=r[_QIDX, :bucket], max_query_len=bucket, kernel=self.attn_op)
+        s = self._slots
+        lora = LoRABatch(self.lora_op, r[_LORA, :bucket], s.a, s.b, s.scale) if use_lora else None
+        return self.model(r[_IDS, :bucket], meta, self.kv_caches, r[_LOGITS, :bucket], lora)
+
+    @torch.inference_mode()
+    def capture(self, slots) -> float:
+        """Capture every (bucket, adapters on/off) graph against these slot stacks; returns seconds taken."""
+        start = time.perf_counter()
+        self._slots = slots
+        self.rows.zero_()
+        self.rows[_KV_SLOT] = self.scratch_block * self.block_size
+        self.rows[_LORA] = slots.zero_slot
+        self.tables.fill_(self.scratch_block)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compile the kernels outside any capture
+            for use_lora in (False, True):
+                self._forward(self.buckets[-1], use_lora)
+                self._forward(self.buckets[0], use_lora)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
+            for use_lora in (False, True):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(bucket, use_lora)
+                self.graphs[(bucket, use_lora)] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs (buckets %s) in %.1f s", len(self.graphs), self.buckets,
+                    self.capture_seconds)
+        return self.capture_seconds
+
+    def fits(self, work: list[SeqWork]) -> bool:
+        return (sum(len(w.token_ids) for w in work) <= self.buckets[-1]
+                and max(len(w.block_table) for w in work) <= self.width)
+
+    def run(self, work: list[SeqWork], slots, use_lora: bool) -> torch.Tensor:
+        """Next-token logits [N, vocab] float32, as ModelRunner.run computes them eagerly."""
+        if self._slots is None:
+            self.capture(slots)
+        elif slots is not self._slots:
+            raise ValueError("the graphs were captured against another AdapterSlots")
+        total = sum(len(w.token_ids) for w in work)
+        bucket = next(b for b in self.buckets if b >= total)
+        use_lora = use_lora and any(w.lora_slot != slots.zero_slot for w in work)
+        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        num_tokens, num_logits = pack_decode_batch(work, self.block_size, slots.zero_slot, self.scratch_block,
+                                                   bucket, self._np_rows, self._np_tables)
+        self.rows.copy_(self.host_rows, non_blocking=True)
+        self.tables[: len(work) + 1].copy_(self.host_tables[: len(work) + 1], non_blocking=True)
+        self._copied.record()
+        graph, out = self.graphs[(bucket, use_lora)]
+        graph.replay()
+        return out[:num_logits].clone()

@@ -1,0 +1,84 @@
+"""The gate: draft lengths from acceptance, a cost model from measured pass times, and decisions
+counted in stats(); drafting off when adapters are far from the base, on when they are close."""
+
+import pytest
+
+from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine_ext.spec_gate import AdapterAcceptance, Gate, StepTimes, expected_tokens
+from tiny_models import build_adapter, build_model
+
+
+@pytest.mark.parametrize("a,m,expected", [(0.0, 3, 1.0), (1.0, 3, 4.0), (0.5, 1, 1.5), (0.5, 2, 1.75)])
+def test_expected_tokens(a, m, expected):
+    assert expected_tokens(a, m) == pytest.approx(expected)
+
+
+def test_acceptance_counts_only_judged_drafts():
+    acc = AdapterAcceptance(ema=0.5)
+    acc.observe(drafted=4, accepted=1, weight=1.0)  # d1 accepted, d2 rejected, d3/d4 never judged
+    assert acc.rate == 0.5 and acc.ema == 0.5
+    acc.observe(drafted=4, accepted=4, weight=1.0)
+    assert acc.rate == 5 / 6 and acc.ema == 1.0
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
+    gate.times.record("base", 8, 0, 0.010)
+    gate.times.record("lora", 8, 2, 0.020)
+    gate.adapter("close").ema, gate.adapter("far").ema, gate.adapter("mid").ema = 0.98, 0.1, 0.6
+    lengths = gate.draft_lengths(["close", "far", "mid"], [4, 4, 4], batch=8)
+    assert lengths[0] == 4 and lengths[1] == 0 and 0 < lengths[2] < 4
+    assert gate.draft_lengths(["close"], [2], batch=8) == [2]  # never past the sequence's end
+
+
+def test_decide_compares_measured_rates():
+    gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+    gate.adapter("x").ema = 0.9
+    gate.times.record("base", 2, 0, 0.010)
+    gate.times.record("lora", 2, 1, 0.040)  # adapters are expensive: speculation pays
+    gate.times.record("lora", 6, 1, 0.045)
+    assert gate.decide(["x", "x"], [2, 2], num_base=0)
+    slow = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+    slow.adapter("x").ema = 0.9
+    slow.times.record("base", 2, 0, 0.040)
+    slow.times.record("lora", 2, 1, 0.041)  # adapters nearly free and drafting slow: plain wins
+    slow.times.record("lora", 6, 1, 0.120)
+    assert not slow.decide(["x", "x"], [2, 2], num_base=0)
+    assert gate.decisions["speculate"] == 1 and slow.decisions["plain_cost"] == 1
+
+
+def test_step_times_fall_back_to_nearest_bucket():
+    t = StepTimes()
+    assert t.get("lora", 4, 1) is None
+    t.record("lora", 4, 1, 0.01)
+    assert t.get("lora", 4, 1) == 0.01 and t.get("lora", 16, 1) == pytest.approx(0.04)
+    assert t.get("lora", 2, 1) == 0.01 and t.get("base", 4, 0) is None
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gate")
+    m = build_model("llama", str(root / "m"))
+    all7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return m, {"close": build_adapter(m, str(root / "close"), seed=1, r=16, std=0.01, target_modules=all7),
+               "far": build_adapter(m, str(root / "far"), seed=2, r=64, alpha=128, std=0.3, target_modules=all7)}
+
+
+@pytest.mark.parametrize("adapter,drafts_expected", [("far", False), ("close", True)])
+def test_gate_turns_drafting_off_for_far_and_on_for_close_adapters(model, adapter, drafts_expected):
+    path, adapters = model
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=SpecConfig(num_draft_tokens=4)))
+    engine.add_adapter(adapter, adapters[adapter])
+    prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=[adapter] * 4)  # learn
+    before = engine.stats()["speculative"]
+    engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=[adapter] * 4)
+    after = engine.stats()
+    passes = after["speculative"]["draft_passes"] - before["draft_passes"]
+    decisions = after["speculative"]["gate_decisions"]
+    acceptance = after["adapters"][adapter]["acceptance_rate"]
+    if drafts_expected:
+        assert acceptance > 0.9 and passes > 0 and decisions.get("speculate", 0) > 0
+    else:
+        assert acceptance < 0.3 and passes == 0 and decisions.get("plain_low_acceptance", 0) > 0
