@@ -45,6 +45,12 @@ class AdapterManager:
     def add(self, name: str, path: str, pinned: bool = False) -> LoRAWeights:
         if not name or not isinstance(name, str):
             raise AdapterError(str(name), "adapter name must be a non-empty string")
+        if self.paths.get(name) == path:
+            return self._host.get(name) or self._parse(name, path)  # idempotent re-add
+        if name in self.paths or self.slots.slot_of(name) is not None:
+            # A name maps to one set of weights for its whole life (device slots are keyed by name):
+            # a new version needs a new name, or remove() and wait until the old one has left its slot.
+            raise AdapterError(name, "an adapter of this name is already loaded; use a new name for new weights")
         weights = self._parse(name, path)
         with self._lock:
             self.paths[name] = path

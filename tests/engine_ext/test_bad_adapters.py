@@ -132,3 +132,12 @@ def test_unknown_adapter_request_refused(env):
     engine = env[0]
     with pytest.raises(AdapterError, match="unknown adapter"):
         engine.add_request(prompt_token_ids=[1, 2], adapter_name="nobody")
+
+
+def test_name_keeps_its_weights(env, tmp_path):
+    """Re-adding the same name and path is a no-op; other weights under a loaded name are refused."""
+    engine, model, good, root = env
+    engine.add_adapter("good", good)
+    other = build_adapter(model, str(tmp_path / "other"), seed=11, r=8)
+    with pytest.raises(AdapterError, match="already loaded"):
+        engine.add_adapter("good", other)
