@@ -11,8 +11,8 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
 
+import regex
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from registry.base_model import BaseModelSpec
@@ -21,7 +21,7 @@ from registry.records import FileEntry
 from registry.safetensors_header import TensorInfo, read_header
 
 __all__ = ["ValidatedAdapter", "PeftAdapterConfig", "validate_adapter", "sha256_file", "check_file_set",
-           "CONFIG_FILE", "WEIGHTS_FILE"]
+           "module_paths", "targeted_modules", "module_ranks", "CONFIG_FILE", "WEIGHTS_FILE"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -31,6 +31,10 @@ _FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 # PEFT's saved key for a LoRA factor of a decoder-layer linear (adapter name already stripped).
 _TENSOR_RE = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z_]+)\.lora_(A|B)\.weight$")
+# Registrant-supplied regexes (target_modules string, rank/alpha_pattern keys) run against a few hundred short
+# module names; the `regex` engine's timeout bounds catastrophic backtracking, the length cap bounds compiling.
+_MAX_PATTERN_CHARS = 1024
+_MATCH_TIMEOUT_S = 1.0
 
 
 class PeftAdapterConfig(BaseModel):
@@ -45,8 +49,8 @@ class PeftAdapterConfig(BaseModel):
     bias: StrictStr = "none"
     use_dora: StrictBool = False
     modules_to_save: list[StrictStr] | None = None
-    rank_pattern: dict[str, Any] = {}
-    alpha_pattern: dict[str, Any] = {}
+    rank_pattern: dict[str, StrictInt] = {}
+    alpha_pattern: dict[str, StrictInt | StrictFloat] = {}
 
 
 class ValidatedAdapter(BaseModel):
@@ -109,17 +113,81 @@ def _parse_config(path: Path) -> PeftAdapterConfig:
         raise _fail(f"{CONFIG_FILE} peft_type is {cfg.peft_type!r}; only LORA is supported", "bad_config")
     if cfg.r <= 0 or cfg.lora_alpha <= 0:
         raise _fail(f"{CONFIG_FILE} r and lora_alpha must be positive", "bad_config")
+    for field, patterns in (("rank_pattern", cfg.rank_pattern), ("alpha_pattern", cfg.alpha_pattern)):
+        bad_values = {k: v for k, v in patterns.items() if v <= 0}
+        if bad_values:
+            raise _fail(f"{CONFIG_FILE} {field} values must be positive, got {bad_values}", "bad_config")
     unsupported = [k for k, bad in (("use_dora", cfg.use_dora), ("modules_to_save", bool(cfg.modules_to_save)),
-                                    ("rank_pattern", bool(cfg.rank_pattern)), ("alpha_pattern", bool(cfg.alpha_pattern)),
                                     ("bias", cfg.bias != "none")) if bad]
     if unsupported:
         raise _fail(f"{CONFIG_FILE} uses features the engine does not serve: {unsupported}", "bad_config")
     return cfg
 
 
-def _check_tensors(tensors: dict[str, TensorInfo], file: str, cfg: PeftAdapterConfig, targets: list[str],
+def module_paths(spec: BaseModelSpec) -> dict[str, str]:
+    """-> {"model.layers.3.self_attn.q_proj": "q_proj", ...}: every LoRA-able linear of the base model, named
+    as in the model's named_modules(), which is what PEFT matches target_modules and patterns against."""
+    return {f"model.layers.{layer}.{shape.block}.{module}": module
+            for layer in range(spec.num_hidden_layers) for module, shape in spec.modules.items()}
+
+
+def _compile(pattern: str, what: str) -> regex.Pattern:
+    if len(pattern) > _MAX_PATTERN_CHARS:
+        raise _fail(f"{what} is longer than {_MAX_PATTERN_CHARS} characters", "bad_config")
+    try:
+        re.compile(pattern)  # PEFT and the engine use `re`: what it cannot compile, they cannot serve
+        return regex.compile(pattern)
+    except (re.error, regex.error) as e:
+        raise _fail(f"{what} {pattern!r} is not a valid regular expression: {e}", "bad_config") from e
+
+
+def _matches(match_fn, text: str, what: str) -> bool:
+    try:
+        return match_fn(text, timeout=_MATCH_TIMEOUT_S) is not None
+    except TimeoutError as e:
+        raise _fail(f"{what} takes too long to match module names (catastrophic backtracking?)", "bad_config") from e
+
+
+def targeted_modules(target_modules: list[str] | str, spec: BaseModelSpec) -> list[str]:
+    """-> the module paths PEFT would wrap. A string is a regex full-matched against each module path; a list
+    names modules exactly or by dotted suffix ("q_proj", "self_attn.q_proj")."""
+    paths = module_paths(spec)
+    if isinstance(target_modules, str):
+        what = f"target_modules regex {target_modules!r}"
+        pattern = _compile(target_modules, what)
+        hit = [p for p in paths if _matches(pattern.fullmatch, p, what)]
+        if not hit:
+            raise _fail(f"unknown target module: target_modules regex {target_modules!r} matches no module of "
+                        f"{spec.name} (module names look like {next(iter(paths))!r})", "unknown_target_module")
+        return hit
+    unknown = sorted({t for t in target_modules if t.split(".")[-1] not in spec.modules})
+    if unknown or not target_modules:
+        raise _fail(f"unknown target module(s) {unknown or target_modules} for {spec.name}; "
+                    f"known: {sorted(spec.modules)}", "unknown_target_module")
+    hits = {t: [p for p in paths if p == t or p.endswith("." + t)] for t in target_modules}
+    unmatched = sorted(t for t, h in hits.items() if not h)
+    if unmatched:
+        raise _fail(f"unknown target module(s) {unmatched}: they match no module of {spec.name}",
+                    "unknown_target_module")
+    return [p for p in paths if any(p in h for h in hits.values())]
+
+
+def module_ranks(cfg: PeftAdapterConfig, targets: list[str]) -> dict[str, int]:
+    """-> {module path: rank} for the targeted modules: rank_pattern's first key matching the path by PEFT's
+    rule (the key matches a dotted suffix of the path), else r. Mirrors engine_ext.lora_adapter._pattern_value."""
+    for field, patterns in (("rank_pattern", cfg.rank_pattern), ("alpha_pattern", cfg.alpha_pattern)):
+        for key in patterns:
+            _compile(key, f"{field} key")
+    keyed = [(_compile(rf"(.*\.)?({key})$", f"rank_pattern key {key!r}"), key, r)
+             for key, r in cfg.rank_pattern.items()]
+    return {path: next((r for pat, key, r in keyed if _matches(pat.match, path, f"rank_pattern key {key!r}")), cfg.r)
+            for path in targets}
+
+
+def _check_tensors(tensors: dict[str, TensorInfo], file: str, cfg: PeftAdapterConfig, ranks: dict[str, int],
                    spec: BaseModelSpec) -> set[str]:
-    """-> dtypes seen. Each tensor must be a LoRA factor of a targeted module with the exact shape."""
+    """-> dtypes seen. Each tensor must be a LoRA factor of a targeted module (a key of `ranks`) with the exact
+    shape for that module's rank."""
     seen: set[tuple[int, str, str]] = set()
     for name, info in tensors.items():
         m = _TENSOR_RE.match(name)
@@ -128,14 +196,19 @@ def _check_tensors(tensors: dict[str, TensorInfo], file: str, cfg: PeftAdapterCo
                         "tensor_mismatch")
         layer, block, module, factor = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         shape = spec.modules.get(module)
-        if module not in targets or shape is None or shape.block != block:
-            raise _fail(f"tensor {name!r} targets {block}.{module}, not among target_modules {targets}",
+        if shape is None or shape.block != block:
+            raise _fail(f"tensor {name!r} targets {block}.{module}, not a LoRA-able module of {spec.name}",
                         "tensor_mismatch")
         if layer >= spec.num_hidden_layers:
             raise _fail(f"tensor {name!r}: layer {layer} >= the base model's {spec.num_hidden_layers} layers",
                         "tensor_mismatch")
-        # lora_A: [r, in_features]; lora_B: [out_features, r]
-        want = [cfg.r, shape.in_features] if factor == "A" else [shape.out_features, cfg.r]
+        path = f"model.layers.{layer}.{block}.{module}"
+        rank = ranks.get(path)
+        if rank is None:
+            raise _fail(f"tensor {name!r} targets {path}, not among target_modules {cfg.target_modules}",
+                        "tensor_mismatch")
+        # lora_A: [r, in_features]; lora_B: [out_features, r], r being this module's rank (rank_pattern or r)
+        want = [rank, shape.in_features] if factor == "A" else [shape.out_features, rank]
         if info.shape != want:
             raise _fail(f"tensor {name!r} has shape {info.shape}, expected {want} for {spec.name}", "shape_mismatch")
         if info.dtype not in _FLOAT_DTYPES:
@@ -171,22 +244,20 @@ def validate_adapter(files: dict[str, Path], declared_sha256: dict[str, str], sp
     if cfg.base_model_name_or_path and not spec.accepts_base_name(cfg.base_model_name_or_path):
         raise _fail(f"base model mismatch: adapter was trained on {cfg.base_model_name_or_path!r}, "
                     f"registered for {spec.name!r}", "base_model_mismatch")
-    if cfg.r > max_rank:
-        raise _fail(f"rank {cfg.r} is too high: the maximum is {max_rank}", "rank_too_high")
-    targets = [cfg.target_modules] if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
-    unknown = sorted(set(targets) - set(spec.modules))
-    if unknown or not targets:
-        raise _fail(f"unknown target module(s) {unknown or targets} for {spec.name}; known: {sorted(spec.modules)}",
-                    "unknown_target_module")
+    ranks = module_ranks(cfg, targeted_modules(cfg.target_modules, spec))
+    rank = max(ranks.values())  # the engine sizes its LoRA slots by the largest module rank
+    if rank > max_rank:
+        raise _fail(f"rank {rank} is too high: the maximum is {max_rank}", "rank_too_high")
     dtypes: set[str] = set()
     safetensors = [n for n in sorted(files) if n.endswith(".safetensors")]
     for name in safetensors:
-        dtypes |= _check_tensors(read_header(files[name], max_header_bytes), name, cfg, targets, spec)
+        dtypes |= _check_tensors(read_header(files[name], max_header_bytes), name, cfg, ranks, spec)
     if not dtypes:
         raise _fail(f"{WEIGHTS_FILE} holds no LoRA tensors", "tensor_mismatch")
     if len(dtypes) > 1:
         raise _fail(f"mixed tensor dtypes {sorted(dtypes)}; one dtype per adapter", "dtype_mismatch")
     for name in safetensors:
         _check_finite(files[name])
-    return ValidatedAdapter(rank=cfg.r, alpha=float(cfg.lora_alpha), target_modules=sorted(targets),
+    paths = module_paths(spec)
+    return ValidatedAdapter(rank=rank, alpha=float(cfg.lora_alpha), target_modules=sorted({paths[p] for p in ranks}),
                             dtype=dtypes.pop(), files=entries)
