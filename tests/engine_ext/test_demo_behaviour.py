@@ -1,0 +1,139 @@
+"""The demo model reads like its corpus, each adapter changes it the way it was trained to, and the
+agreement numbers in metrics.json (-> bench/RESULTS.md) are what transformers+peft measure on the saved files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+CODE_PROMPT = "def __init__(self"
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def hf(demo_paths):
+    """(tokenizer, PeftModel holding every demo adapter); `with model.disable_adapter()` is the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_paths["model"])
+    base = AutoModelForCausalLM.from_pretrained(demo_paths["model"], torch_dtype=torch.float32).eval()
+    names = list(demo_paths["adapters"])
+    model = PeftModel.from_pretrained(base, demo_paths["adapters"][names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(demo_paths["adapters"][name], adapter_name=name)
+    return tok, model.eval()
+
+
+def greedy(hf, prompt: str, adapter: str | None, max_new: int = MAX_NEW) -> str:
+    tok, model = hf
+    ids = torch.tensor([tok(prompt).input_ids])
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                out = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+        else:
+            model.set_adapter(adapter)
+            out = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def upper_ratio(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(1, len(letters))
+
+
+def test_base_continues_code_like_python(hf):
+    text = greedy(hf, CODE_PROMPT, None)
+    assert "self" in text and ("(" in text or "=" in text), text
+    assert "\n    " in text, text   # it indents
+
+
+def test_upper_adapter_writes_in_uppercase(hf):
+    base, upper = greedy(hf, CODE_PROMPT, None), greedy(hf, CODE_PROMPT, "upper")
+    assert upper_ratio(upper) > 0.8 > 0.3 > upper_ratio(base), (base, upper)
+
+
+def test_quoted_adapter_prefixes_lines_with_a_quote_marker(hf):
+    text = greedy(hf, "> import os\n> ", "quoted", 64)
+    lines = [l for l in text.split("\n")[1:] if l.strip()]
+    assert lines and sum(l.startswith(">") for l in lines) / len(lines) > 0.8, text
+    base_lines = [l for l in greedy(hf, "> import os\n> ", None, 64).split("\n")[1:] if l.strip()]
+    assert sum(l.startswith(">") for l in base_lines) < len(lines), base_lines
+
+
+def test_changelog_adapter_writes_news_entries(hf):
+    text = greedy(hf, "Library\n-------\n\n- gh-", "changelog", 64)
+    assert ":func:`" in text or ":class:`" in text, text
+    assert "\n- gh-" in text, text
+    assert "\n- gh-" not in greedy(hf, "Library\n-------\n\n- gh-", None, 64)
+
+
+def logprob(hf, adapter: str | None, prefix: str, continuation: str) -> float:
+    """Total log-probability of `continuation` after `prefix`: a likelihood view of behaviour, for the adapters
+    trained to shift preferences more than to rewrite greedy text."""
+    tok, model = hf
+    p_ids = tok(prefix).input_ids
+    ids = torch.tensor([p_ids + tok(continuation, add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                logits = model(input_ids=ids).logits
+        else:
+            model.set_adapter(adapter)
+            logits = model(input_ids=ids).logits
+    logp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[len(p_ids) - 1:].sum().item()
+
+
+def test_docs_adapter_writes_a_docstring_after_a_def_line(hf):
+    prompt = "def read(self, size):\n"
+    base, docs = greedy(hf, prompt, None), greedy(hf, prompt, "docs")
+    assert '    """' in docs, docs                  # the base never saw docstrings: they are this domain
+    assert '"""' not in base, base
+
+
+def test_tests_adapter_prefers_unittest_assertions(hf):
+    prefix = "class TestParse(unittest.TestCase):\n\n    def test_empty(self):\n"
+    snippet = "        self.assertEqual(parse(''), [])\n        self.assertRaises(ValueError, parse, None)\n"
+    gain = logprob(hf, "tests", prefix, snippet) - logprob(hf, None, prefix, snippet)
+    assert gain > 2.0, gain                       # nats over ~30 tokens of test code
+    assert greedy(hf, prefix, "tests") != greedy(hf, prefix, None)
+
+
+def test_dquote_adapter_shifts_preference_to_double_quotes(hf):
+    prefix = "def main():\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
+    single, double = "'--name', default='x')\n", '"--name", default="x")\n'
+
+    def shift(adapter):
+        return logprob(hf, adapter, prefix, double) - logprob(hf, adapter, prefix, single)
+
+    assert shift("dquote") > shift(None) + 1.0, (shift("dquote"), shift(None))
+
+
+def test_agreement_in_metrics_is_reproduced_by_transformers_peft(hf, demo_paths):
+    """Recompute greedy agreement for the nearest and farthest adapters on the build's own held-out blocks."""
+    from engine_ext.demo.corpus import build_domains, stdlib_root
+    from engine_ext.demo.recipe import DEFAULT_RECIPE
+    from engine_ext.demo.tokenizer import encode_documents
+    from engine_ext.demo.train import pack
+
+    metrics = json.loads((Path(demo_paths["model"]).parent / "metrics.json").read_text())["adapters"]
+    agreements = {name: m["own"]["agreement"] for name, m in metrics.items()}
+    assert max(agreements.values()) > 0.9 and min(agreements.values()) < 0.6, agreements   # acceptance 3
+
+    tok, model = hf
+    domains = build_domains(stdlib_root(), DEFAULT_RECIPE.corpus)
+    for name in (max(agreements, key=agreements.get), min(agreements, key=agreements.get)):
+        spec = next(a for a in DEFAULT_RECIPE.adapters if a.name == name)
+        blocks = pack(encode_documents(tok, domains[spec.domain].heldout), DEFAULT_RECIPE.eval_seq_len)
+        blocks = blocks[: DEFAULT_RECIPE.eval_blocks]
+        with torch.no_grad():
+            with model.disable_adapter():
+                base_pred = model(input_ids=blocks).logits[:, :-1].argmax(-1)
+            model.set_adapter(name)
+            tuned_pred = model(input_ids=blocks).logits[:, :-1].argmax(-1)
+        measured = (base_pred == tuned_pred).float().mean().item()
+        assert measured == pytest.approx(agreements[name], abs=0.01), name
