@@ -50,6 +50,9 @@ class EngineConfig:
     # needs a CUDA device and attn_backend "triton". Keep max_model_len modest: block tables are static.
     cuda_graphs: bool = False
     max_graph_tokens: int = 512
+    # Experimental, off: torch.compile of the captured forwards. Measured 15x SLOWER on the H200 (write_kv's
+    # in-place index_copy_ into the cache is functionalized into a whole-cache copy); see bench/RESULTS.md.
+    compile_graphs: bool = False
     speculative: SpecConfig | None = None
     torch_dtype: torch.dtype = field(init=False, repr=False)
 

@@ -10,6 +10,12 @@ newly loaded adapter needs no re-capture. The attention and LoRA kernels read pe
 and slots on the device, which is what makes one graph valid for every mix.
 
 All per-step metadata is packed on the host into one pinned buffer and sent with two copies.
+
+`compile_model=True` (experimental, off) runs the captured forwards through `torch.compile` with the
+Triton kernels as opaque custom ops, meant to fuse the model's element-wise work into fewer kernels;
+one compilation with a symbolic token count serves every bucket but the 1-token one (eager).
+Measured on the H200 it is 15x slower: write_kv's in-place index_copy_ into a view of the cache is
+functionalized into a whole-cache copy. Making write_kv an opaque op too is the next step.
 """
 
 from __future__ import annotations
@@ -80,8 +86,12 @@ class DecodeGraphs:
     """Captured forwards of `model` at bucketed token counts, replayed for decode-shaped batches."""
 
     def __init__(self, model, kv_caches, lora_op, attn_op, block_size: int, max_blocks_per_seq: int,
-                 scratch_block: int, max_tokens: int, device: torch.device):
+                 scratch_block: int, max_tokens: int, device: torch.device, compile_model: bool = False):
         self.model, self.kv_caches, self.lora_op, self.attn_op = model, kv_caches, lora_op, attn_op
+        self.compiled = None
+        if compile_model:
+            self.lora_op, self.attn_op = _opaque_ops(lora_op, attn_op)
+            self.compiled = torch.compile(model, dynamic=True)
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.buckets = graph_buckets(max_tokens)
         tmax, width = self.buckets[-1], max_blocks_per_seq
@@ -105,7 +115,8 @@ class DecodeGraphs:
                             token_qidx=r[_QIDX, :bucket], max_query_len=bucket, kernel=self.attn_op)
         s = self._slots
         lora = LoRABatch(self.lora_op, r[_LORA, :bucket], s.a, s.b, s.scale) if use_lora else None
-        return self.model(r[_IDS, :bucket], meta, self.kv_caches, r[_LOGITS, :bucket], lora)
+        model = self.compiled if self.compiled is not None and bucket > 1 else self.model
+        return model(r[_IDS, :bucket], meta, self.kv_caches, r[_LOGITS, :bucket], lora)
 
     @torch.inference_mode()
     def capture(self, slots) -> float:
@@ -119,10 +130,10 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compile the kernels outside any capture
+        with torch.cuda.stream(side):  # compile the kernels (and the model) outside any capture
             for use_lora in (False, True):
-                self._forward(self.buckets[-1], use_lora)
-                self._forward(self.buckets[0], use_lora)
+                for bucket in sorted({self.buckets[-1], self.buckets[0], self.buckets[len(self.buckets) // 2]}):
+                    self._forward(bucket, use_lora)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
             for use_lora in (False, True):
@@ -158,3 +169,13 @@ class DecodeGraphs:
         graph, out = self.graphs[(bucket, use_lora)]
         graph.replay()
         return out[:num_logits].clone()
+
+
+def _opaque_ops(lora_op, attn_op):
+    """The Triton kernels' custom-op twins, which torch.compile does not trace into."""
+    from .kernels.torch_ops import add_lora_compiled, paged_attention_compiled
+    from .kernels.triton_attention import paged_attention_triton
+    from .kernels.triton_lora import add_lora_triton
+
+    return (add_lora_compiled if lora_op is add_lora_triton else lora_op,
+            paged_attention_compiled if attn_op is paged_attention_triton else attn_op)

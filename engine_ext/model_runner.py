@@ -77,4 +77,5 @@ class ModelRunner:
         lookahead = cfg.speculative.num_draft_tokens if cfg.speculative else 0
         width = -(-(max_len + lookahead + 1) // cfg.block_size)
         return DecodeGraphs(self.model, self.kv_caches, self.lora_op, self.attn_kernel, cfg.block_size, width,
-                            scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device)
+                            scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device,
+                            compile_model=cfg.compile_graphs)

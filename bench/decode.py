@@ -1,0 +1,374 @@
+"""GPU decode benchmark: base-only, plain multi-LoRA and speculative decoding against the bytes model
+and against HF transformers + PEFT on the same GPU, in one run. Prints JSON (and writes --out).
+
+Two levels, both reported for every point:
+- forward: one decode-shaped forward through ModelRunner.run (CUDA graph replay + host packing),
+  with `gpu_ms` = graph replay alone timed by CUDA events, `step_ms` = the call as the engine sees
+  it (host packing, copies, replay, logits copy), against the bytes model
+  (base weights + distinct adapter weights + KV read) / 4.3 TB/s;
+- engine: LLMEngine.step() in a loop (scheduling, sampling, drafting, verification included):
+  decode tokens/s and step (inter-token) latency p50/p99, acceptance for speculative modes.
+
+    python bench/decode.py --out decode.json                         # 1B shape, default matrix
+    python bench/decode.py --shapes llama-3.2-1b llama-3.1-8b --ranks 16 64 --hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import SHAPES, build_random_adapter, build_random_model, machine, measure_decode  # noqa: E402
+from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
+from engine_ext.batch import SeqWork  # noqa: E402
+from engine_ext.speculative import Speculator  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy rate on this H200 (KINDS.md)
+CONTEXT = 512  # tokens already in each sequence's cache for the forward-level points
+MAX_K = 4
+
+
+def build_model_on_gpu(out_dir: str, shape: str, seed: int = 0) -> str:
+    """bench.common.build_random_model's files, drawn on the GPU: an 8B model in seconds, not minutes."""
+    if os.path.isfile(os.path.join(out_dir, "model.safetensors")) or not torch.cuda.is_available():
+        return build_random_model(out_dir, shape)
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    hd = hidden // heads
+    g = torch.Generator("cuda").manual_seed(seed)
+
+    def w(*shape_):
+        return (torch.randn(*shape_, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02).cpu()
+
+    ones = torch.ones(hidden, dtype=torch.bfloat16)
+    t = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": ones}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t |= {p + "input_layernorm.weight": ones.clone(), p + "post_attention_layernorm.weight": ones.clone(),
+              p + "self_attn.q_proj.weight": w(heads * hd, hidden), p + "self_attn.k_proj.weight": w(kv * hd, hidden),
+              p + "self_attn.v_proj.weight": w(kv * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * hd),
+              p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+              p + "mlp.down_proj.weight": w(hidden, inter)}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(t, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    del t
+    # the same config.json as bench.common writes: write a tiny one aside and take its config
+    tmp = tempfile.mkdtemp()
+    build_random_model(tmp, "tiny")
+    with open(os.path.join(tmp, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=kv, vocab_size=vocab)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out_dir
+
+
+def bytes_model(engine, batch: int, distinct: int, rank: int, context: int) -> dict:
+    spec = engine.spec
+    # parameters() lists a tied embedding once: the LM head reads it whole, the lookup only B rows.
+    base = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    per_adapter = 2 * rank * spec.num_layers * sum(i + o for i, o in spec.module_shapes().values())
+    kv = 2 * batch * context * spec.num_layers * spec.kv_size * 2
+    total = base + distinct * per_adapter + kv
+    return {"base_bytes": base, "adapter_bytes": per_adapter, "kv_bytes": kv, "bytes": total,
+            "bytes_model_ms": total / HBM_BYTES_PER_S * 1e3}
+
+
+def _time_ms(fn, iters: int) -> tuple[float, float]:
+    """(median of wall ms per call with a sync after each, p99)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2], times[min(len(times) - 1, int(0.99 * len(times)))]
+
+
+def _replay_ms(graph, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def forward_point(engine, names: list[str | None], tokens_per_seq: int, use_lora: bool, iters: int) -> dict:
+    """Time one decode (tokens_per_seq=1) or verify (k+1) forward of len(names) sequences at CONTEXT."""
+    runner, slots, bs = engine.runner, engine.adapters.slots, engine.config.block_size
+    nblocks = -(-(CONTEXT + tokens_per_seq) // bs)
+    work = [SeqWork([7] * tokens_per_seq, CONTEXT, list(range(i * nblocks, (i + 1) * nblocks)),
+                    engine.adapters.slot_of(n), num_logits=tokens_per_seq) for i, n in enumerate(names)]
+    step_ms, step_p99 = _time_ms(lambda: runner.run(work, slots, use_lora=use_lora), iters)
+    total = len(names) * tokens_per_seq
+    bucket = next(b for b in runner.graphs.buckets if b >= total)
+    lora_on = use_lora and any(n is not None for n in names)
+    gpu_ms = _replay_ms(runner.graphs.graphs[(bucket, lora_on)][0], iters)
+    return {"step_ms": step_ms, "step_ms_p99": step_p99, "gpu_ms": gpu_ms, "bucket": bucket}
+
+
+def cold_load(engine, workdir: str, shape: str, rank: int) -> dict:
+    """A cold adapter's copy from pinned host memory into a device slot, against one plain
+    host-to-device copy of the same bytes (the floor for that load)."""
+    path = os.path.join(workdir, f"{shape}-r{rank}")
+    weights = engine.adapters.add("cold", path)  # parsed and pinned on the host
+    slots = engine.adapters.slots
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    slots.activate(weights, busy=set())
+    torch.cuda.synchronize()
+    load_ms = (time.perf_counter() - t0) * 1e3
+    slots.deactivate("cold")
+    t0 = time.perf_counter()
+    slots.activate(weights, busy=set())
+    torch.cuda.synchronize()
+    load2_ms = (time.perf_counter() - t0) * 1e3
+    slots.deactivate("cold")
+    flat = torch.empty(weights.nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(flat, device="cuda")
+    dev.copy_(flat, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dev.copy_(flat, non_blocking=True)
+    torch.cuda.synchronize()
+    copy_ms = (time.perf_counter() - t0) * 1e3
+    engine.adapters.remove("cold")
+    return {"adapter_bytes": weights.nbytes, "slot_load_ms_first": load_ms, "slot_load_ms": load2_ms,
+            "h2d_copy_ms": copy_ms, "ratio": load2_ms / copy_ms}
+
+
+def activate(engine, names: list[str]) -> None:
+    for n in names:
+        if not engine.adapters.try_activate(n, set(names)):
+            raise RuntimeError(f"could not make {n} resident")
+
+
+def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int,
+                 compile_graphs: bool = False):
+    cfg = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_loras=max_loras, max_lora_rank=max_rank,
+                       max_cpu_loras=max(64, len(adapters) + 1), kv_cache_memory_gb=24, max_num_seqs=128,
+                       max_num_batched_tokens=8192, max_model_len=2048, lora_backend="triton", attn_backend="triton",
+                       cuda_graphs=True, max_graph_tokens=max_graph_tokens, compile_graphs=compile_graphs,
+                       speculative=SpecConfig(num_draft_tokens=MAX_K))  # sizes block tables for k <= MAX_K
+    engine = LLMEngine(cfg)
+    for n, p in adapters.items():
+        engine.add_adapter(n, p)
+    return engine
+
+
+def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | None], gen: int, prompt_len: int):
+    """Decode through LLMEngine.step(); `spec` None: plain multi-LoRA (or base-only when names are None)."""
+    # One engine serves every mode so the model loads and the graphs are captured once; the mode is
+    # the speculator the step loop drives (None: plain steps).
+    engine.speculator = Speculator(engine, spec) if spec is not None else None
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, 100000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    out = measure_decode(engine, prompts, names, gen, SamplingParams)
+    if spec is not None:
+        drafted = accepted = 0
+        for acc in engine.speculator.gate.acceptance.values():
+            drafted, accepted = drafted + acc.drafted, accepted + acc.accepted
+        out["acceptance"] = accepted / drafted if drafted else None
+        out["gate_decisions"] = dict(engine.speculator.gate.decisions)
+    out["itl_ms_p50"] = out["step_ms_p50"]
+    out["itl_ms_p99"] = out["step_ms_p99"]
+    engine.speculator = None
+    return out
+
+
+def hf_point(model_dir: str, adapter_dir: str | None, distinct: int, batch: int, gen: int, prompt_len: int) -> dict:
+    """HF transformers (+ PEFT mixed-adapter batch) greedy decode tokens/s, prefill excluded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    kwargs = {}
+    if distinct:
+        from peft import PeftModelForCausalLM  # the causal-LM class: its generate() takes adapter_names
+
+        model = PeftModelForCausalLM.from_pretrained(model, adapter_dir, adapter_name="a0")
+        for i in range(1, distinct):
+            model.load_adapter(adapter_dir, adapter_name=f"a{i}")
+        kwargs["adapter_names"] = [f"a{i % distinct}" for i in range(batch)]
+    ids = torch.randint(10, 100000, (batch, prompt_len), device="cuda")
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(2)
+    t1, tn = run(1), run(gen + 1)
+    step = (tn - t1) / gen
+    del model
+    torch.cuda.empty_cache()
+    return {"tokens_per_s": batch / step, "step_ms": step * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b"])
+    ap.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
+    ap.add_argument("--adapters", nargs="+", type=int, default=[0, 1, 8, 32, 128])
+    ap.add_argument("--max-adapters-r64", type=int, default=32, help="cap on distinct rank-64 adapters (host memory)")
+    ap.add_argument("--near-scale", type=float, default=0.02, help="adapter B scale for the speculative points")
+    ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--hf", action="store_true", help="also run HF transformers + PEFT as the peer")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the captured forwards (experimental)")
+    ap.add_argument("--sections", nargs="+", default=["forward", "engine", "load"],
+                    choices=["forward", "engine", "load"])
+    ap.add_argument("--workdir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    results = {"machine": machine(), "command": " ".join(sys.argv), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+               "forward": [], "engine": [], "hf": [], "capture_s": {}}
+
+    def dump():
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+    for shape in args.shapes:
+        t0 = time.perf_counter()
+        model_dir = build_model_on_gpu(os.path.join(args.workdir, shape), shape)
+        print(f"[{shape}] model dir in {time.perf_counter() - t0:.0f} s", flush=True)
+        for rank in args.ranks:
+            max_distinct = max(args.adapters) if rank <= 16 else min(max(args.adapters), args.max_adapters_r64)
+            far = build_random_adapter(os.path.join(args.workdir, f"{shape}-r{rank}"), shape, rank, seed=rank)
+            adapters = {f"a{i}": far for i in range(max_distinct)}
+            if "engine" in args.sections:
+                near = build_random_adapter(os.path.join(args.workdir, f"{shape}-r{rank}-near"), shape, rank,
+                                            seed=rank, scale=args.near_scale)
+                adapters |= {f"n{i}": near for i in range(32)}
+            t0 = time.perf_counter()
+            engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32), max_rank=rank,
+                                  max_graph_tokens=max(args.batches) * (MAX_K + 1), compile_graphs=args.compile)
+            print(f"[{shape} r{rank}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+            try:
+                run_shape_rank(engine, shape, rank, max_distinct, args, results, dump)
+            except Exception as e:  # keep what was measured; the error goes into the JSON
+                traceback.print_exc()
+                results.setdefault("errors", []).append(f"{shape} r{rank}: {e!r}")
+            dump()
+            del engine
+            torch.cuda.empty_cache()
+        if args.hf:
+            try:
+                run_hf(shape, model_dir, args, results)
+            except Exception as e:
+                traceback.print_exc()
+                results.setdefault("errors", []).append(f"{shape} hf: {e!r}")
+            dump()
+    print(json.dumps(results, indent=1))
+    dump()
+
+
+def run_shape_rank(engine, shape, rank, max_distinct, args, results, dump) -> None:
+    tag = dict(shape=shape, rank=rank, compiled=args.compile)
+    if "load" in args.sections:
+        results.setdefault("load", []).append(dict(tag, **cold_load(engine, args.workdir, shape, rank)))
+        print(json.dumps(results["load"][-1]), flush=True)
+    if "forward" in args.sections:
+        forward_points(engine, tag, max_distinct, args, results)
+        dump()
+    if "engine" in args.sections:
+        engine_points(engine, tag, max_distinct, args, results, dump)
+
+
+def forward_points(engine, tag, max_distinct, args, results) -> None:
+    shape, rank = tag["shape"], tag["rank"]
+    # ---- forward level: the graphs, against the bytes model
+    for batch in args.batches:
+        for distinct in args.adapters:
+            if distinct > min(batch, max_distinct) or (distinct == 0 and rank != args.ranks[0]):
+                continue
+            names = [f"a{i % distinct}" for i in range(batch)] if distinct else [None] * batch
+            activate(engine, sorted({n for n in names if n}))
+            point = forward_point(engine, names, 1, True, args.iters)
+            if engine.runner.graphs.capture_seconds is not None and shape not in results["capture_s"]:
+                results["capture_s"][shape] = {"seconds": engine.runner.graphs.capture_seconds,
+                                               "graphs": len(engine.runner.graphs.graphs),
+                                               "buckets": engine.runner.graphs.buckets}
+            bm = bytes_model(engine, batch, distinct, rank, CONTEXT)
+            rec = dict(tag, mode="base" if not distinct else "plain", batch=batch, adapters=distinct, tokens=batch,
+                       **point, **bm, bw_fraction=bm["bytes_model_ms"] / point["gpu_ms"],
+                       tokens_per_s_gpu=batch / point["gpu_ms"] * 1e3)
+            results["forward"].append(rec)
+            print(json.dumps({k: rec[k] for k in ("shape", "rank", "mode", "batch", "adapters", "gpu_ms", "step_ms",
+                                                  "bytes_model_ms", "bw_fraction")}), flush=True)
+    # ---- forward level: draft (base) and verify (k+1 tokens, adapters on) passes at batch 32
+    batch = 32 if 32 in args.batches else args.batches[0]
+    distinct = min(batch, max_distinct, 32)
+    names = [f"a{i % distinct}" for i in range(batch)]
+    activate(engine, sorted(set(names)))
+    for k in range(1, MAX_K + 1):
+        point = forward_point(engine, names, k + 1, True, args.iters)
+        bm = bytes_model(engine, batch, distinct, rank, CONTEXT)
+        results["forward"].append(dict(tag, mode=f"verify_k{k}", batch=batch, adapters=distinct,
+                                       tokens=batch * (k + 1), **point, **bm,
+                                       bw_fraction=bm["bytes_model_ms"] / point["gpu_ms"]))
+        print(f"verify k={k}: gpu {point['gpu_ms']:.3f} ms, step {point['step_ms']:.3f} ms", flush=True)
+
+
+def engine_points(engine, tag, max_distinct, args, results, dump) -> None:
+    """Engine level at batch 32: base / plain / speculative (gate off k=1..4, gate on k=4)."""
+    rank = tag["rank"]
+    batch = 32 if 32 in args.batches else args.batches[0]
+    distinct = min(batch, max_distinct, 32)
+    names = [f"a{i % distinct}" for i in range(batch)]
+    near = [f"n{i % distinct}" for i in range(batch)]
+    modes = [("base", None, [None] * batch), ("plain", None, names), ("plain_near", None, near)]
+    modes += [(f"spec_k{k}", SpecConfig(num_draft_tokens=k, gate=False), near) for k in range(1, MAX_K + 1)]
+    modes += [(f"spec_k{MAX_K}_gate", SpecConfig(num_draft_tokens=MAX_K, gate=True), near),
+              (f"spec_k{MAX_K}_gate_far", SpecConfig(num_draft_tokens=MAX_K, gate=True), names),
+              (f"spec_k{MAX_K}_far", SpecConfig(num_draft_tokens=MAX_K, gate=False), names)]
+    for mode, spec, mode_names in modes:
+        if mode == "base" and rank != args.ranks[0]:
+            continue
+        activate(engine, sorted({n for n in mode_names if n}))  # the scheduler admits one cold adapter a step
+        out = engine_mode(engine, spec, batch, mode_names, args.gen, args.prompt_len)
+        rec = dict(tag, mode=mode, batch=batch, adapters=0 if mode == "base" else distinct, **out)
+        results["engine"].append(rec)
+        dump()
+        print(json.dumps({k: rec.get(k) for k in ("rank", "mode", "tokens_per_s", "step_ms_p50", "step_ms_p99",
+                                                  "acceptance", "gate_decisions")}), flush=True)
+
+
+def run_hf(shape, model_dir, args, results) -> None:
+    batch = 32 if 32 in args.batches else args.batches[0]
+    for rank in [None] + [r for r in args.ranks if r <= 16]:
+        adapter_dir = None if rank is None else os.path.join(args.workdir, f"{shape}-r{rank}")
+        distinct = 0 if rank is None else min(32, batch)
+        t0 = time.perf_counter()
+        out = hf_point(model_dir, adapter_dir, distinct, batch, min(args.gen, 16), args.prompt_len)
+        rec = dict(shape=shape, rank=rank, mode="hf_base" if rank is None else "hf_peft", batch=batch,
+                   adapters=distinct, **out, wall_s=time.perf_counter() - t0)
+        results["hf"].append(rec)
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()

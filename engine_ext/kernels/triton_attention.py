@@ -1,0 +1,111 @@
+"""Paged attention in Triton for decode and for the speculative verify pass (several query tokens
+per sequence), one program per (run of query tokens, KV head).
+
+    out[t, h] = softmax(q[t, h] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]
+
+(same contract as attention.paged_attention). A token leads a run when its sequence differs from
+the previous token's (or it starts an aligned block of BLOCK_Q tokens); the leader's program takes
+up to BLOCK_Q query tokens of its sequence times the GROUP query heads sharing one KV head as one
+tile, so every K/V page is read once per run and head group (the k+1 verify tokens share it), with
+a per-row causal mask and an online softmax. Positions and block-table rows are read on the
+device, so the kernel needs no host-side lengths: a CUDA graph captured once replays for any mix
+of context lengths; programs of non-leaders return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention import AttnMetadata
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, token_seq_ptr, positions_ptr, T, scale, window,
+                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(token_seq_ptr + t).to(tl.int64)
+    prev = tl.load(token_seq_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)
+    if (seq != prev) | (t % BLOCK_Q == 0):  # t leads the run of its sequence's query tokens in this block
+        # Tile rows: BLOCK_Q query tokens x GROUP_PAD heads sharing KV head kvh; row r = (r // GROUP_PAD, r % GROUP_PAD).
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        tok = t + rows // GROUP_PAD
+        head = kvh * GROUP + rows % GROUP_PAD
+        in_block = (tok < T) & (tok < (t // BLOCK_Q + 1) * BLOCK_Q)
+        tok_seq = tl.load(token_seq_ptr + tok, mask=in_block, other=-1).to(tl.int64)
+        valid_row = in_block & (tok_seq == seq) & (rows % GROUP_PAD < GROUP)
+        pos_leader = tl.load(positions_ptr + t).to(tl.int32)
+        pos = tl.load(positions_ptr + tok, mask=valid_row, other=0).to(tl.int32)
+        pos = tl.where(valid_row, pos, pos_leader)  # padding rows mirror the leader: finite, never stored
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=valid_row[:, None], other=0.0)
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        hi = tl.max(pos, axis=0)
+        lo = 0
+        if window > 0:
+            lo = tl.maximum(tl.min(pos, axis=0) - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        for start in range(lo, hi + 1, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            in_seq = offs_n <= hi
+            page = tl.load(tables_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
+            kv_off = page * stride_kb + (offs_n % PAGE) * stride_ks + kvh * stride_kh
+            k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            if IEEE:  # float32 caches: full-precision products, not tf32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale  # [rows, BLOCK_N]
+            allowed = offs_n[None, :] <= pos[:, None]
+            if window > 0:
+                allowed = allowed & (offs_n[None, :] > pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays at 0
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=valid_row[:, None])
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """out[t] = softmax(q[t] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]   -> [T, H, D]."""
+    num_tokens, heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"paged_attention_triton needs a power-of-two head_dim >= 16, got {head_dim}")
+    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or q.stride(2) != 1:
+        raise ValueError("paged_attention_triton needs contiguous head_dim and identically laid out K/V caches")
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    tables = meta.block_tables
+    if num_tokens:
+        group_pad = triton.next_power_of_2(group)
+        _paged_attn_kernel[(num_tokens, kv_heads)](
+            q, k_cache, v_cache, out, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(8, 16 // group_pad), HEAD_DIM=head_dim, PAGE=page,
+            BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out

@@ -1,0 +1,153 @@
+"""Batched multi-LoRA in Triton: a shrink and an expand kernel over runs of tokens sharing an adapter.
+
+    y[i] += (x[i] @ A[slot[i]]) @ B[slot[i]] * scale[slot[i]]      (same contract as lora_ops.py)
+
+Runs are found on the device: a token leads a run when its slot differs from the previous
+token's (or it starts an aligned block of 16); the leader's program multiplies the run's rows as
+one tensor-core tile, so the k+1 tokens of a verify pass (and neighbours sharing an adapter) read
+each A/B tile once. Nothing about the adapter mix reaches the host, so a CUDA graph captured once
+serves any mix (the slot vector is a graph input); grids are sized by tokens, and programs of
+non-leaders return at once. Ranks below the slot stack's R are zero-padded (exact). Tokens on
+the zero slot (base-only) skip all work.
+
+shrink: grid (T, splits); the leader of run r at split s sums x[r, k] @ A[slot, k, :] over its K
+        range into part[s, r, :] (fp32). Splitting K keeps the chip busy at small batches without atomics.
+expand: grid (T, cdiv(out, BLOCK_N)); the leader sums the K partials, scales, multiplies by its B
+        tile and adds into y (any row stride: y may be a column slice of a fused output).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
+_BLOCK_T = 16  # tokens of one run handled together (the smallest tensor-core tile)
+
+
+@triton.jit
+def _run_rows(slots_ptr, t, T, BLOCK_T: tl.constexpr):
+    """(slot, leader?, run tokens t + arange(BLOCK_T), mask of the run): tokens t.. that share t's slot.
+
+    A token leads when it starts a run of equal slots or an aligned block of BLOCK_T tokens; its
+    run ends at the first other slot or the next block boundary, so every token has one leader."""
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    prev = tl.load(slots_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)
+    leader = (slot != prev) | (t % BLOCK_T == 0)
+    offs_t = t + tl.arange(0, BLOCK_T)
+    in_block = (offs_t < T) & (offs_t < (t // BLOCK_T + 1) * BLOCK_T)
+    run_slots = tl.load(slots_ptr + offs_t, mask=in_block, other=-1).to(tl.int64)
+    rows = in_block & (tl.cumsum((run_slots != slot).to(tl.int32), axis=0) == 0)
+    return slot, leader, offs_t, rows
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, T, K, R, k_per_split, skip_slot,
+                   stride_xt, stride_as, stride_ak, stride_ps, stride_pt,
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    split = tl.program_id(1)
+    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
+    if leader & (slot != skip_slot):
+        offs_r = tl.arange(0, BLOCK_R)
+        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        k_start = split * k_per_split
+        a_base = a_ptr + slot * stride_as
+        for kk in range(0, k_per_split, BLOCK_K):
+            offs_k = k_start + kk + tl.arange(0, BLOCK_K)
+            mk = offs_k < K
+            xv = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
+                         mask=rows[:, None] & mk[None, :], other=0.0)
+            av = tl.load(a_base + offs_k[:, None] * stride_ak + offs_r[None, :],
+                         mask=mk[:, None] & (offs_r[None, :] < R), other=0.0)
+            if IEEE:
+                acc += tl.dot(xv, av, input_precision="ieee")
+            else:
+                acc += tl.dot(xv, av)
+        tl.store(part_ptr + split * stride_ps + offs_t[:, None] * stride_pt + offs_r[None, :], acc,
+                 mask=rows[:, None] & (offs_r[None, :] < R))
+
+
+@triton.jit
+def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_splits, skip_slot,
+                   stride_ps, stride_pt, stride_bs, stride_br, stride_yt,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
+    if leader & (slot != skip_slot):
+        offs_r = tl.arange(0, BLOCK_R)
+        mr = offs_r < R
+        s = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        for sp in range(0, num_splits):
+            s += tl.load(part_ptr + sp * stride_ps + offs_t[:, None] * stride_pt + offs_r[None, :],
+                         mask=rows[:, None] & mr[None, :], other=0.0)
+        s = s * tl.load(scale_ptr + slot).to(tl.float32)
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = offs_n < N
+        bv = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
+                     mask=mr[:, None] & mn[None, :], other=0.0)
+        if IEEE:
+            delta = tl.dot(s, bv, input_precision="ieee")
+        else:
+            delta = tl.dot(s.to(bv.dtype), bv)
+        y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+        mask = rows[:, None] & mn[None, :]
+        yv = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
+    """(BLOCK_R, the other tile side) with about `budget` fp32 elements per tile (64 registers a thread)."""
+    block_r = max(16, triton.next_power_of_2(rank))
+    return block_r, max(32, budget // block_r)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int) -> torch.Tensor:
+    """part[s, t, :] summed over s = x[t] @ A[slot[t]]   -> [splits, T, R] float32 (rows of skipped tokens undefined)."""
+    num_tokens, fan_in = x.shape
+    rank = a.shape[2]
+    block_r, block_k = _tile(rank)
+    block_k = min(block_k, triton.next_power_of_2(fan_in))
+    chunks = triton.cdiv(fan_in, block_k)
+    splits = max(1, min(chunks, triton.cdiv(_TARGET_PROGRAMS, max(num_tokens, 1))))
+    k_per_split = triton.cdiv(chunks, splits) * block_k
+    splits = triton.cdiv(fan_in, k_per_split)
+    part = torch.empty(splits, num_tokens, rank, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        _shrink_kernel[(num_tokens, splits)](
+            x, a, slots, part, num_tokens, fan_in, rank, k_per_split, skip_slot,
+            x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
+            BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32, num_warps=4)
+    return part
+
+
+def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                skip_slot: int) -> None:
+    """y[t] += sum_s part[s, t] @ B[slot[t]] * scale[slot[t]]   (in place; y may be a column slice)."""
+    num_tokens, fan_out = y.shape
+    rank = b.shape[1]
+    block_r, block_n = _tile(rank)
+    block_n = min(block_n, triton.next_power_of_2(fan_out))
+    if num_tokens:
+        _expand_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
+            part, b, scale, slots, y, num_tokens, fan_out, rank, part.shape[0], skip_slot,
+            part.stride(0), part.stride(1), b.stride(0), b.stride(1), y.stride(0),
+            BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32, num_warps=4)
+
+
+def add_lora_triton(
+    y: torch.Tensor,  # [T, out] (may be a column slice of a fused output)
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [S, in, R]
+    b: torch.Tensor,  # [S, R, out]
+    scale: torch.Tensor,  # [S]
+    slots: torch.Tensor,  # [T] long; slot S - 1 is the all-zero slot of base-only tokens
+) -> None:
+    """y[i] += (x[i] @ A[slots[i]]) @ B[slots[i]] * scale[slots[i]]; the registered "triton" LoRA op."""
+    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b.stride(2) != 1:
+        raise ValueError("add_lora_triton needs unit stride along the feature dimension of x, y, A and B")
+    skip_slot = a.shape[0] - 1
+    part = lora_shrink(x, a, slots, skip_slot)
+    lora_expand(y, part, b, scale, slots, skip_slot)
