@@ -1,0 +1,49 @@
+"""`serve run deployments.app`: the application builder.
+
+    serve run deployments.app                         # embedded demo, 2 CPU replicas, port 8000
+    serve run deployments.app num_replicas=3          # builder args override config
+    LORASERVE_CONFIG=serve.yaml serve run deployments.app
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+
+from deployments.bootstrap import bootstrap
+from deployments.config import AppConfig, load_config
+from deployments.ingress import OpenAIIngress
+from deployments.llm_deployment import LLMDeployment
+from router.ray_router import ROUTER_CLASS_PATH
+
+__all__ = ["build_app", "bind_app"]
+
+
+def bind_app(cfg: AppConfig):
+    """The bound application for an already bootstrapped config."""
+    router = RequestRouterConfig(request_routing_stats_period_s=cfg.routing_stats_period_s)
+    if cfg.affinity_router:
+        router = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=dict(cfg.router),
+                                     request_routing_stats_period_s=cfg.routing_stats_period_s)
+    threads = str(cfg.torch_threads)
+    llm = LLMDeployment.options(
+        num_replicas=cfg.num_replicas,
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        request_router_config=router,
+        ray_actor_options={
+            "num_cpus": cfg.num_cpus_per_replica,
+            "num_gpus": cfg.num_gpus_per_replica,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
+        },
+    ).bind(cfg.model_dump(mode="json"))
+    return OpenAIIngress.options(
+        num_replicas=cfg.ingress_replicas,
+        max_ongoing_requests=max(256, 4 * cfg.max_ongoing_requests * cfg.num_replicas),
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+    ).bind(llm, cfg.model_dump(mode="json"))
+
+
+def build_app(args: dict[str, Any]):
+    """Serve application builder: config from YAML/env/args, start-up registration, bind."""
+    return bind_app(bootstrap(load_config(args)))

@@ -1,0 +1,97 @@
+"""Start-up registration: the base model, and with the embedded demo its adapters.
+
+Idempotent, so every `serve run` (or each of several builders) may call it: what is
+already registered and active is left alone, and nothing is audited twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from deployments.config import AppConfig
+
+__all__ = ["make_registry", "bootstrap", "demo_paths", "sha256_of_dir", "DEMO_BASE_NAME"]
+
+logger = logging.getLogger(__name__)
+
+DEMO_BASE_NAME = "demo"
+
+
+def make_registry(cfg: AppConfig, extra_local_roots: Optional[list[Path]] = None):
+    from registry import Registry, RegistrySettings
+
+    fields: dict[str, Any] = dict(cfg.registry)
+    if extra_local_roots:
+        roots = list(RegistrySettings(**fields).allowed_local_roots)
+        fields["allowed_local_roots"] = roots + [Path(r) for r in extra_local_roots]
+    return Registry.from_settings(RegistrySettings(**fields))
+
+
+def demo_paths(cfg: AppConfig) -> dict:
+    """{"model": dir, "adapters": {name: dir}} of the embedded demo, built on first use."""
+    from engine_ext.demo import DEFAULT_RECIPE, ensure_demo, quick_recipe
+
+    return ensure_demo(recipe=quick_recipe() if cfg.demo_recipe == "quick" else DEFAULT_RECIPE)
+
+
+def sha256_of_dir(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _ensure_base(reg, base: str, model_dir: str, aliases: list[str]) -> None:
+    """Register the base model, again when its directory changed (a rebuilt demo)."""
+    from registry import BaseModelNotFound
+
+    try:
+        if str(Path(model_dir).resolve()) in reg.get_base_model(base).aliases:
+            return
+    except BaseModelNotFound:
+        pass
+    reg.register_base_model(base, model_dir, actor="bootstrap", aliases=aliases)
+
+
+def _ensure_demo_adapter(reg, name: str, adapter_dir: Path, base: str) -> None:
+    """Register and activate a demo adapter unless its active version has these exact files
+    (a rebuilt demo gets a new version, so old weights are never served on a new base)."""
+    from registry import AdapterNotFound
+
+    digests = sha256_of_dir(adapter_dir)
+    try:
+        state = reg.get(name)
+        active = state.versions.get(state.active_version) if state.active_version is not None else None
+        if active is not None and {f: e.sha256 for f, e in active.files.items()} == digests:
+            return
+    except AdapterNotFound:
+        pass
+    reg.register(name, str(adapter_dir), digests, base, visibility="public", actor="bootstrap",
+                 description="embedded demo adapter", activate=True)
+    logger.info("registered demo adapter %s", name)
+
+
+def bootstrap(cfg: AppConfig) -> AppConfig:
+    """Register base (+ demo adapters); return the config with `model`/`base_model_name` filled in."""
+    demo_adapters: dict[str, str] = {}
+    aliases: list[str] = []
+    if cfg.model is None:
+        from engine_ext.demo.recipe import BASE_MODEL_NAME
+
+        aliases = [BASE_MODEL_NAME]  # the name the demo adapters' configs cite
+        paths = demo_paths(cfg)
+        model_dir, base = paths["model"], cfg.base_model_name or DEMO_BASE_NAME
+        demo_adapters = paths["adapters"] if cfg.register_demo_adapters else {}
+    else:
+        model_dir, base = cfg.model, cfg.base_model_name or Path(cfg.model).name
+    roots = sorted({Path(d).resolve().parent for d in demo_adapters.values()})
+    reg = make_registry(cfg, extra_local_roots=roots)
+    try:
+        _ensure_base(reg, base, model_dir, aliases)
+        for name, adapter_dir in sorted(demo_adapters.items()):
+            _ensure_demo_adapter(reg, name, Path(adapter_dir).resolve(), base)
+    finally:
+        reg.close()
+    # The model dir is left unset for the demo: each replica resolves it through ensure_demo()
+    # on its own node (a path from the builder's node may not exist there).
+    return cfg.model_copy(update={"base_model_name": base})

@@ -1,0 +1,149 @@
+"""The application's configuration: one pydantic model, from YAML, env and builder args.
+
+Precedence, lowest first: defaults < YAML file named by `LORASERVE_CONFIG` < `LORASERVE_*`
+environment variables < `serve run deployments.app key=value` / serveConfigV2 `args`.
+Registry settings (Redis, S3, blob dir) live in `registry` and are handed to
+`RegistrySettings`; left empty, the registry reads its own env (REDIS_URL, S3_BUCKET, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["AppConfig", "RateSpec", "load_config", "DEFAULT_API_KEY", "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "LORASERVE_"
+DEFAULT_API_KEY = "sk-loraserve-dev"  # maps to tenant "default"; documented in the README
+DEFAULT_ADMIN_TOKEN = "loraserve-admin-dev"
+
+
+class RateSpec(BaseModel):
+    """A token bucket: `rate` requests per second on average, bursts up to `burst`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rate: float = Field(gt=0, description="requests per second refilled")
+    burst: float = Field(ge=1, description="bucket size: requests allowed back to back")
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # --- model and engine -----------------------------------------------------------
+    model: Optional[str] = Field(None, description="HF model dir of the base model; None: the embedded demo")
+    base_model_name: Optional[str] = Field(
+        None, description="the base model's name in the registry and in `model`; default: the dir's name"
+    )
+    register_demo_adapters: bool = Field(True, description="register the demo adapters (demo model only)")
+    demo_recipe: Literal["full", "quick"] = Field("full", description="demo build: full, or seconds-long (tests)")
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_loras: int = Field(8, ge=1)
+    max_lora_rank: int = Field(64, ge=1)
+    max_cpu_loras: int = Field(64, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: Optional[int] = Field(None, ge=1)
+    speculative_draft_tokens: int = Field(0, ge=0, le=16, description="0: plain multi-LoRA decoding")
+    torch_threads: int = Field(1, ge=1, description="torch threads per replica (CPU)")
+
+    # --- replicas -------------------------------------------------------------------
+    num_replicas: int = Field(2, ge=1, description="LLM replicas")
+    num_cpus_per_replica: float = Field(0.5, ge=0)
+    num_gpus_per_replica: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(32, ge=1, description="per LLM replica")
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_num_cpus: float = Field(0.25, ge=0)
+    affinity_router: bool = Field(True, description="False: Ray Serve's default router (for comparison)")
+    router: dict[str, Any] = Field(default_factory=dict, description="AffinityConfig fields")
+    push_residency: bool = Field(
+        True, description="replicas push their adapter ids to Serve's controller on every load (both routers see it)"
+    )
+    routing_stats_period_s: float = Field(1.0, gt=0)
+
+    # --- tenants, limits, control plane ----------------------------------------------
+    api_keys: dict[str, str] = Field(
+        default_factory=lambda: {DEFAULT_API_KEY: "default"}, description="API key -> tenant"
+    )
+    admin_token: str = Field(DEFAULT_ADMIN_TOKEN, min_length=8)
+    admin_prefix: str = "/admin"
+    tenant_rate: RateSpec = RateSpec(rate=50, burst=100)
+    tenant_rates: dict[str, RateSpec] = Field(default_factory=dict, description="per-tenant overrides")
+    adapter_rate: RateSpec = RateSpec(rate=100, burst=200)
+    adapter_rates: dict[str, RateSpec] = Field(default_factory=dict, description="per-adapter overrides")
+    cold_load_concurrency: int = Field(2, ge=1, description="in-flight requests for an adapter not yet loaded")
+    cold_load_wait_s: float = Field(30.0, gt=0, description="wait for a cold-load slot before answering 429")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+
+    registry: dict[str, Any] = Field(default_factory=dict, description="RegistrySettings fields")
+
+    @field_validator("admin_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.startswith("/") or v.rstrip("/") in ("", "/v1") or v.startswith("/v1/"):
+            raise ValueError("admin_prefix must start with '/' and not overlap '/v1'")
+        return v.rstrip("/")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("api_keys must map at least one key to a tenant")
+        for key, tenant in v.items():
+            if len(key) < 8 or not tenant:
+                raise ValueError("API keys need >= 8 characters and a non-empty tenant")
+        return v
+
+    @model_validator(mode="after")
+    def _derive(self) -> "AppConfig":
+        if self.num_gpus_per_replica > 0 and self.device == "cpu":
+            raise ValueError("num_gpus_per_replica > 0 needs device='cuda'")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
+        return self
+
+    def uses_default_admin_token(self) -> bool:
+        return self.admin_token == DEFAULT_ADMIN_TOKEN
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """`LORASERVE_<FIELD>` for every field; values are JSON when they parse, else strings."""
+    out: dict[str, Any] = {}
+    for name in AppConfig.model_fields:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        try:
+            out[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[name] = raw
+    return out
+
+
+def load_config(args: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None) -> AppConfig:
+    """Merge YAML (`LORASERVE_CONFIG`), env and `args`; validate once at the end."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a YAML mapping of AppConfig fields")
+        merged.update(loaded)
+    merged.update(_env_overrides(env))
+    merged.update(dict(args or {}))
+    cfg = AppConfig.model_validate(merged)
+    if cfg.uses_default_admin_token():
+        logger.warning(
+            "control plane uses the default admin token %r: set LORASERVE_ADMIN_TOKEN outside development",
+            DEFAULT_ADMIN_TOKEN,
+        )
+    return cfg

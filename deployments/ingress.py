@@ -1,0 +1,66 @@
+"""The Serve deployment `OpenAIIngress`: the FastAPI data plane plus the control plane under
+`admin_prefix`, talking to `LLMServer` through a deployment handle."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import AppConfig
+from deployments.metrics import ServingMetrics
+from deployments.openai_api import IngressDeps, create_openai_app
+from deployments.protocol import GenerateRequest
+from deployments.rate_limit import ColdLoadGate, RateLimiter
+
+__all__ = ["OpenAIIngress", "ServeLLMClient"]
+
+
+class ServeLLMClient:
+    """`LLMClient` over a handle: the adapter key travels as the multiplexed model id, which
+    is what `router.AffinityRouter` (and Ray's default router) route on."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self._handle = handle
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        gen = self._handle.options(stream=True, multiplexed_model_id=req.adapter_key or "").generate.remote(req)
+        try:
+            async for chunk in gen:
+                yield chunk
+        finally:
+            gen.cancel()  # no-op when finished; aborts the replica's generation otherwise
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, llm: DeploymentHandle, config: dict[str, Any]):
+        from registry import AdapterDisabled, AdapterNotFound
+        from registry.api import create_app as create_admin_app
+
+        from deployments.bootstrap import make_registry
+
+        cfg = AppConfig.model_validate(config)
+        self.registry = make_registry(cfg)
+        admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}})
+        rates = lambda specs: {k: (v.rate, v.burst) for k, v in specs.items()}  # noqa: E731
+        self.deps = IngressDeps(
+            base_name=cfg.base_model_name or "base",
+            api_keys=dict(cfg.api_keys),
+            resolver=self.registry,
+            llm=ServeLLMClient(llm),
+            limiter=RateLimiter((cfg.tenant_rate.rate, cfg.tenant_rate.burst),
+                                (cfg.adapter_rate.rate, cfg.adapter_rate.burst),
+                                rates(cfg.tenant_rates), rates(cfg.adapter_rates)),
+            gate=ColdLoadGate(limit=cfg.cold_load_concurrency, wait_s=cfg.cold_load_wait_s),
+            metrics=ServingMetrics(),
+            max_tokens_limit=cfg.max_tokens_limit,
+            admin_app=admin,
+            admin_prefix=cfg.admin_prefix,
+            registry_errors=(AdapterNotFound, AdapterDisabled),
+        )
+
+    def __serve_build_asgi_app__(self):
+        return create_openai_app(self.deps)

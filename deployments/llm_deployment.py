@@ -1,0 +1,77 @@
+"""The Serve deployment `LLMServer`: builds the engine and registry inside the replica and
+delegates to `deployments.llm_server.LLMServer`."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from deployments.config import AppConfig
+from deployments.llm_server import LLMServer, engine_config
+from deployments.protocol import GenerateRequest
+
+__all__ = ["LLMDeployment", "serve_residency_publisher"]
+
+
+def serve_residency_publisher():
+    """-> publish(keys, stats): push resident adapters and routing stats to Serve's controller now.
+
+    Uses the same internal call as `@serve.multiplexed` (Ray has no public one), so that
+    both our router and Ray's default multiplex-aware router see a load within one
+    long-poll broadcast instead of after the next stats period.
+    """
+    from ray.serve._private.common import RequestRoutingInfo
+    from ray.serve.context import _get_global_client, _get_internal_replica_context
+
+    ctx = _get_internal_replica_context()
+
+    def publish(keys: list[str], stats: dict) -> None:
+        info = RequestRoutingInfo(replica_id=ctx.replica_id, multiplexed_model_ids=list(keys), routing_stats=stats)
+        _get_global_client().record_request_routing_info(info)
+
+    return publish
+
+
+@serve.deployment(name="LLMServer")
+class LLMDeployment:
+    async def __init__(self, config: dict[str, Any]):
+        import torch
+
+        from deployments.bootstrap import make_registry
+        from engine_ext import AsyncLLMEngine
+
+        cfg = AppConfig.model_validate(config)
+        torch.set_num_threads(cfg.torch_threads)
+        model_dir = cfg.model
+        if model_dir is None:
+            from deployments.bootstrap import demo_paths
+
+            model_dir = demo_paths(cfg)["model"]
+        engine = AsyncLLMEngine(engine_config(cfg, model_dir))
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        publish = serve_residency_publisher() if cfg.push_residency else None
+        self.server = LLMServer(cfg, engine, make_registry(cfg), replica_id, publish)
+        await self.server.start()
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        async for chunk in self.server.generate(req):
+            yield chunk
+
+    # async: runs on the replica's event loop, like generate(), so it never reads the adapter
+    # bookkeeping from a threadpool while a request mutates it.
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return self.server.record_routing_stats()
+
+    async def describe(self) -> dict[str, Any]:
+        """Replica id, known adapters and blocked names (tests and operators)."""
+        return {"replica": self.server.replica_id, "adapters": self.server.adapters.known(),
+                "stats": self.server.record_routing_stats()}
+
+    def check_health(self) -> None:
+        if not self.server.engine._thread.is_alive():  # noqa: SLF001 - the engine has no public probe
+            raise RuntimeError("engine loop thread died")
+
+    async def __del__(self):
+        await self.server.stop()
+        self.server.engine.shutdown()

@@ -1,0 +1,249 @@
+"""One LLM replica: an `AsyncLLMEngine`, its adapters (loaded through the registry only),
+routing stats for `router.AffinityRouter`, and the registry's change feed.
+
+`LLMServer` is a plain class (engine and registry injected, so tests can build it without
+Ray); `deployments.application` wraps it as the Serve deployment `LLMServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from deployments.adapter_cache import AdapterBlocked, AdapterCache, adapter_key, split_key
+from deployments.config import AppConfig
+from deployments.protocol import GenerateRequest, error_chunk
+
+__all__ = ["LLMServer", "engine_config"]
+
+logger = logging.getLogger(__name__)
+
+
+def engine_config(cfg: AppConfig, model_dir: str):
+    from engine_ext import EngineConfig, SpecConfig
+
+    spec = SpecConfig(num_draft_tokens=cfg.speculative_draft_tokens) if cfg.speculative_draft_tokens else None
+    return EngineConfig(model=model_dir, device=cfg.device, dtype=cfg.dtype, max_loras=cfg.max_loras,
+                        max_lora_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras, block_size=cfg.block_size,
+                        num_kv_blocks=cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs, speculative=spec)
+
+
+@dataclass
+class _AdapterCounters:
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    load_seconds: float = 0.0
+
+
+class LLMServer:
+    def __init__(self, cfg: AppConfig, engine: Any, registry: Any, replica_id: str,
+                 publish_residency: Optional[Callable[[list[str], dict], None]] = None,
+                 clock: Callable[[], float] = time.time):
+        self.cfg, self.engine, self.registry, self.replica_id = cfg, engine, registry, replica_id
+        self._publish = publish_residency
+        self._clock = clock
+        # A replica "holds" as many adapters as the engine keeps in host memory; beyond that the
+        # least recently used idle one is dropped, so routing stats match what is really resident.
+        self.adapters = AdapterCache(self._load_adapter, self._forget_adapter, max_known=cfg.max_cpu_loras)
+        self.counters: dict[str, _AdapterCounters] = defaultdict(_AdapterCounters)
+        self._ongoing = 0
+        self._stats: dict[str, Any] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._unsubscribe: Optional[Callable[[], None]] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stats = await asyncio.to_thread(self.engine.stats)
+        self._spawn(self._stats_loop())
+        self._unsubscribe = self.registry.subscribe(self._on_registry_event)
+
+    async def stop(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stats_loop(self, period_s: float = 0.5) -> None:
+        # engine.stats() takes the engine lock that step() holds: read it off the event loop, on a timer.
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                self._stats = await asyncio.to_thread(self.engine.stats)
+            except Exception:  # noqa: BLE001 - stats are advisory
+                logger.exception("engine.stats() failed")
+
+    # ------------------------------------------------------------------ adapters
+    async def _load_adapter(self, key: str) -> None:
+        """Registry record -> sha256-verified local copy -> engine. Never a path from a request."""
+        name, version = split_key(key)
+        state = await asyncio.to_thread(self.registry.get, name)
+        rec = state.versions.get(version)
+        if rec is None:
+            raise LookupError(f"adapter {name!r} has no version {version}")
+        path = await asyncio.to_thread(self.registry.materialize, rec)
+        await asyncio.to_thread(self.engine.add_adapter, key, str(path))
+        self.counters[key].loads += 1
+
+    def _forget_adapter(self, key: str) -> None:
+        """The replica stops offering `key`; the engine keeps the registration on purpose.
+
+        The engine maps a name to one set of weights for life and refuses to re-add a removed
+        name until it has left its device slot, which an idle engine never does; our keys are
+        immutable registry versions, so keeping them registered is safe, lets a rollback or
+        enable serve the version again at once, and the engine's own LRU frees the memory.
+        """
+        logger.debug("adapter %s no longer offered by replica %s", key, self.replica_id)
+
+    def _publish_residency(self) -> None:
+        # Tell Serve's controller at once (instead of at the next stats period), so routers see the
+        # new resident adapter within a broadcast, not seconds later.
+        if self._publish is not None:
+            try:
+                self._publish(self.adapters.known(), self.record_routing_stats())
+            except Exception:  # noqa: BLE001 - advisory
+                logger.debug("publishing residency failed", exc_info=True)
+
+    def _on_registry_event(self, event: dict) -> None:
+        # Called on the registry's subscriber thread.
+        if self._loop is not None and isinstance(event, dict) and event.get("name"):
+            self._loop.call_soon_threadsafe(self._spawn, self.apply_change(event["name"]))
+
+    async def apply_change(self, name: str) -> None:
+        """Promote/rollback/canary/disable of `name`: drop versions no longer served, refuse
+        disabled ones, prefetch the new active version where an older one was resident."""
+        from registry import AdapterNotFound
+
+        try:
+            state = await asyncio.to_thread(self.registry.get, name)
+        except AdapterNotFound:
+            return
+        if state.disabled:
+            self.adapters.block(name)
+            self._publish_residency()
+            return
+        self.adapters.unblock(name)
+        serving = {adapter_key(name, v) for v in (state.active_version, state.canary_version) if v is not None}
+        was_resident = name in self.adapters.families()
+        self.adapters.retire(name, keep=frozenset(serving))
+        if was_resident and state.active_version is not None:
+            key = adapter_key(name, state.active_version)
+            if not self.adapters.is_known(key):
+                try:
+                    lease = await self.adapters.acquire(key)
+                    self.adapters.release(lease.key)
+                except Exception:  # noqa: BLE001 - a prefetch failure surfaces on the next request
+                    logger.exception("prefetch of %s failed", key)
+        self._publish_residency()
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        started_at = self._clock()
+        self._ongoing += 1
+        lease = None
+        try:
+            if req.adapter_key is not None:
+                try:
+                    lease = await self.adapters.acquire(req.adapter_key)
+                except AdapterBlocked as e:
+                    yield error_chunk(403, "model_disabled", str(e))
+                    return
+                except Exception as e:  # noqa: BLE001 - registry/engine refused the adapter
+                    logger.exception("loading adapter %s failed", req.adapter_key)
+                    yield error_chunk(503, "adapter_load_failed", f"adapter could not be loaded: {e}")
+                    return
+                c = self.counters[req.adapter_key]
+                if lease.hit:
+                    c.hits += 1
+                else:
+                    c.misses += 1
+                    c.load_seconds += lease.load_s
+                    self._publish_residency()  # now that the cache lists it
+            async for chunk in self._run_engine(req, started_at, lease.hit if lease else None):
+                yield chunk
+        finally:
+            self._ongoing -= 1
+            if lease is not None:
+                self.adapters.release(lease.key)
+
+    def _prompt(self, req: GenerateRequest) -> tuple[Optional[str], Optional[list[int]]]:
+        if req.messages is None:
+            return req.prompt, req.prompt_token_ids
+        ids = self.engine.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+        return None, [int(t) for t in ids]
+
+    async def _run_engine(self, req: GenerateRequest, started_at: float, hit: Optional[bool]) -> AsyncIterator[dict]:
+        from engine_ext import SamplingParams
+
+        try:
+            prompt, ids = self._prompt(req)
+            params = SamplingParams(**req.sampling)
+        except Exception as e:  # noqa: BLE001 - a template or parameter the engine cannot take
+            yield error_chunk(400, "invalid_request", str(e))
+            return
+        stream = self.engine.generate(prompt, prompt_token_ids=ids, sampling_params=params,
+                                      adapter_name=req.adapter_key, request_id=req.request_id)
+        try:
+            first = await stream.__anext__()
+        except ValueError as e:  # validated by the engine before any token: the request's fault
+            too_long = "max_model_len" in str(e) or "KV blocks" in str(e)
+            code = "context_length_exceeded" if too_long else "invalid_request"
+            yield error_chunk(400, code, str(e))
+            return
+        yield {"type": "start", "replica": self.replica_id, "adapter_hit": hit, "started_at": started_at,
+               "prompt_tokens": first.num_prompt_tokens, "num_running": self._stats.get("num_running")}
+        out = first
+        try:
+            while True:
+                if out.new_token_ids or out.delta_text:
+                    yield {"type": "delta", "text": out.delta_text, "num_tokens": len(out.new_token_ids)}
+                if out.finished:
+                    break
+                out = await stream.__anext__()
+        finally:
+            await stream.aclose()  # aborts the engine request if the client went away
+        yield {"type": "end", "finish_reason": out.finish_reason or "stop", "prompt_tokens": out.num_prompt_tokens,
+               "completion_tokens": len(out.token_ids), "snapshot": self.snapshot(req.adapter_key)}
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self, key: Optional[str]) -> dict[str, Any]:
+        """Replica gauges and this adapter's counters, for the ingress's /metrics."""
+        s = self._stats
+        out: dict[str, Any] = {k: s.get(k) for k in ("num_running", "num_waiting", "free_kv_blocks")}
+        out["device_adapters"] = len(s.get("device_adapters", ()))
+        out["host_adapters"] = len(self.adapters.known())
+        if key is not None:
+            c, eng = self.counters[key], (s.get("adapters") or {}).get(key, {})
+            out["adapters"] = {key: {"hits": c.hits, "misses": c.misses, "loads": c.loads,
+                                     "load_seconds": c.load_seconds, "tokens": eng.get("tokens"),
+                                     "acceptance_rate": eng.get("acceptance_rate")}}
+        return out
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What `router.AffinityRouter` ranks on (Serve polls this every routing_stats_period_s)."""
+        s = self._stats
+        known = self.adapters.known()
+        known_set = set(known)
+        return {
+            "device_adapters": [a for a in s.get("device_adapters", ()) if a in known_set],
+            "host_adapters": known,
+            "num_running": s.get("num_running"),
+            "num_waiting": s.get("num_waiting"),
+            "free_kv_blocks": s.get("free_kv_blocks"),
+            "num_ongoing": self._ongoing,
+            "disabled": self.adapters.blocked(),
+            "reported_at": self._clock(),
+        }

@@ -1,0 +1,147 @@
+"""One real Serve app (local Ray cluster, demo model, 2 CPU LLM replicas, SQLite registry in a
+temp dir) shared by every end-to-end test module of the session, whichever folder it is in.
+
+Import it as `tests.deployments.serve_harness` only (one module object, one app). Each
+folder's conftest wraps `acquire()` / `release()` in a session fixture; the last release
+shuts Serve and Ray down.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+KEYS = {"sk-test-acme-0001": "acme", "sk-test-globex-01": "globex", "sk-test-limited-1": "limited"}
+ADMIN = "test-admin-token-123"
+AFFINITY_ADAPTERS = [f"aff-{i:02d}" for i in range(20)]
+APP_NAME = "loraserve"
+
+
+@dataclass
+class ServeApp:
+    base_url: str  # http://127.0.0.1:port
+    base_name: str
+    demo_adapters: dict[str, str]
+    root: Path
+    registry: Any  # a Registry on the same SQLite file (tests register fixtures with it)
+    extra: dict = field(default_factory=dict)
+
+    def replica_stats(self) -> dict[str, dict]:
+        """replica id -> its `record_routing_stats()`, asked of every LLM replica actor directly."""
+        import ray
+
+        out = {}
+        for info in ray.util.list_named_actors(all_namespaces=True):
+            name = info["name"] if isinstance(info, dict) else info
+            if name.startswith(f"SERVE_REPLICA::{APP_NAME}#LLMServer#"):
+                actor = ray.get_actor(name, namespace="serve")
+                out[name.rsplit("#", 1)[-1]] = ray.get(actor.record_routing_stats.remote(), timeout=10)
+        return out
+
+
+_state: dict[str, Any] = {"app": None, "refs": 0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _register_fixtures(reg, incoming: Path, base: str, demo: dict[str, str]) -> None:
+    """Private adapters, a two-version adapter and 20 copies for the affinity test."""
+    from deployments.bootstrap import sha256_of_dir
+
+    names = sorted(demo)
+
+    def stage(src: str, label: str) -> str:
+        dst = incoming / label
+        shutil.copytree(src, dst)
+        return str(dst)
+
+    def add(name, src, **kw):
+        d = stage(src, f"{name}-{time.monotonic_ns()}")
+        return reg.register(name, d, sha256_of_dir(Path(d)), base, actor="test", **kw)
+
+    add("globex-private", demo[names[0]], tenant="globex", visibility="tenant", activate=True)
+    add("promo", demo[names[0]], activate=True)  # v1
+    add("promo", demo[names[1 % len(names)]])  # v2: ready, not serving
+    add("switch", demo[names[0]], activate=True)
+    for i, name in enumerate(AFFINITY_ADAPTERS):
+        add(name, demo[names[i % len(names)]], activate=True)
+
+
+def acquire() -> ServeApp:
+    if _state["app"] is None:
+        _state["app"] = _start()
+    _state["refs"] += 1
+    return _state["app"]
+
+
+def release() -> None:
+    _state["refs"] -= 1
+    if _state["refs"] <= 0 and _state["app"] is not None:
+        _stop(_state.pop("app"))
+        _state["app"] = None
+
+
+def _start() -> ServeApp:
+    import ray
+    from ray import serve
+
+    from deployments.application import bind_app
+    from deployments.bootstrap import bootstrap, make_registry
+    from deployments.config import load_config
+    from deployments.bootstrap import demo_paths
+
+    root = Path(tempfile.mkdtemp(prefix="loraserve-e2e-"))
+    incoming = root / "incoming"
+    incoming.mkdir()
+    registry_settings = {
+        "registry_db": str(root / "registry.db"),
+        "blob_dir": str(root / "blobs"),
+        "materialize_dir": str(root / "materialized"),
+        "allowed_local_roots": [str(incoming)],
+        "poll_interval_s": 0.2,
+    }
+    args = {
+        "demo_recipe": "quick",  # the demo's code path at test size
+        "num_replicas": 2,
+        "num_cpus_per_replica": 0.5,
+        "ingress_num_cpus": 0.25,
+        "max_ongoing_requests": 16,
+        "routing_stats_period_s": 0.5,
+        "api_keys": KEYS,
+        "admin_token": ADMIN,
+        "tenant_rates": {"limited": {"rate": 0.01, "burst": 2}},
+        "cold_load_wait_s": 60,
+        "registry": registry_settings,
+    }
+    cfg = bootstrap(load_config(args, env={}))
+    demo = demo_paths(cfg)["adapters"]
+    reg = make_registry(cfg)
+    _register_fixtures(reg, incoming, cfg.base_model_name, demo)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(bind_app(cfg), name=APP_NAME, route_prefix="/")
+    return ServeApp(f"http://127.0.0.1:{port}", cfg.base_model_name, demo, root, reg)
+
+
+def _stop(app: Optional[ServeApp]) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        if app is not None:
+            app.registry.close()
+            shutil.rmtree(app.root, ignore_errors=True)

@@ -1,0 +1,228 @@
+"""The data plane's HTTP behaviour with fake neighbours (the real app is in test_app_e2e)."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from deployments.openai_api import IngressDeps, create_openai_app
+from deployments.rate_limit import ColdLoadGate, RateLimiter
+from serving_fakes import Disabled, FakeLLM, FakeResolver, NotFound, Rec
+
+KEY, OTHER = "sk-test-tenant-a", "sk-test-tenant-b"
+H = {"Authorization": f"Bearer {KEY}"}
+
+
+def make(llm=None, tenant_rate=(100, 100), adapter_rate=(100, 100)):
+    resolver = FakeResolver({
+        "pub": Rec("pub", 3),
+        "mine": Rec("mine", 1, owner_tenant="a", visibility="tenant"),
+        "theirs": Rec("theirs", 1, owner_tenant="b", visibility="tenant"),
+        "off": Rec("off", 1, disabled=True),
+        "otherbase": Rec("otherbase", 1, base_model="big"),
+    })
+    llm = llm or FakeLLM()
+    deps = IngressDeps(base_name="tiny", api_keys={KEY: "a", OTHER: "b"}, resolver=resolver, llm=llm,
+                       limiter=RateLimiter(tenant_rate, adapter_rate), gate=ColdLoadGate(limit=2, wait_s=0.2),
+                       registry_errors=(NotFound, Disabled))
+    return TestClient(create_openai_app(deps)), llm, deps
+
+
+def assert_openai_error(r, status, code):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["code"] == code
+
+
+def test_completion_with_adapter_resolves_version_and_usage():
+    client, llm, _ = make()
+    r = client.post("/v1/completions", headers=H, json={"model": "tiny:pub", "prompt": "a b c d", "max_tokens": 2,
+                                                        "stop": "x", "seed": 7, "temperature": 0.5, "top_p": 0.9})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "tiny:pub"
+    assert body["choices"][0]["text"] == "a b " and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    req = llm.seen[-1]
+    assert req.adapter_key == "pub@3"
+    assert req.sampling == {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["x"]}
+
+
+@pytest.mark.parametrize("model,key", [("pub", "pub@3"), ("mine", "mine@1"), ("tiny", None)])
+def test_model_forms(model, key):
+    client, llm, _ = make()
+    r = client.post("/v1/chat/completions", headers=H, json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "hi "}
+    assert llm.seen[-1].adapter_key == key and llm.seen[-1].messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    "model,status,code",
+    [
+        ("nope", 404, "model_not_found"),
+        ("theirs", 404, "model_not_found"),  # another tenant's private adapter
+        ("off", 403, "model_disabled"),
+        ("big:pub", 404, "model_not_found"),
+        ("otherbase", 404, "model_not_found"),
+        ("../../etc/passwd", 404, "model_not_found"),
+        ("s3://bucket/x", 404, "model_not_found"),
+        ("/tmp/adapter", 404, "model_not_found"),
+    ],
+)
+def test_model_errors(model, status, code):
+    client, llm, _ = make()
+    r = client.post("/v1/completions", headers=H, json={"model": model, "prompt": "x"})
+    assert_openai_error(r, status, code)
+    assert llm.seen == []
+
+
+def test_auth():
+    client, llm, _ = make()
+    for headers in ({}, {"Authorization": "Bearer wrong-key-123"}, {"Authorization": KEY}):
+        assert_openai_error(client.post("/v1/completions", headers=headers, json={"model": "pub", "prompt": "x"}),
+                            401, "invalid_api_key")
+    assert_openai_error(client.get("/v1/models"), 401, "invalid_api_key")
+    # auth comes before body validation
+    assert_openai_error(client.post("/v1/completions", json={"bad": 1}), 401, "invalid_api_key")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "pub"},
+        {"model": "pub", "prompt": "x", "n": 2},
+        {"model": "pub", "prompt": "x", "temperature": 5},
+        {"model": "pub", "prompt": "x", "max_tokens": 0},
+        {"model": "pub", "prompt": "x", "max_tokens": 100000},
+        {"model": "pub", "prompt": ["a", "b"]},
+        {"model": "pub", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]},
+        {"model": "pub", "prompt": "x", "logprobs": 2},
+    ],
+)
+def test_malformed_bodies(body):
+    client, llm, _ = make()
+    r = client.post("/v1/completions", headers=H, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert llm.seen == []
+
+
+def test_not_json():
+    client, _, _ = make()
+    r = client.post("/v1/chat/completions", headers={**H, "Content-Type": "application/json"}, content=b"{not json")
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_models_lists_base_and_visible_adapters():
+    client, _, _ = make()
+    ids = [m["id"] for m in client.get("/v1/models", headers=H).json()["data"]]
+    assert ids[0] == "tiny" and set(ids[1:]) == {"pub", "mine", "off"}
+    ids_b = {m["id"] for m in client.get("/v1/models", headers={"Authorization": f"Bearer {OTHER}"}).json()["data"]}
+    assert "theirs" in ids_b and "mine" not in ids_b
+
+
+def test_tenant_rate_limit_429_with_retry_after_and_recovery():
+    client, llm, deps = make(tenant_rate=(1, 2))
+    ok = [client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"}).status_code for _ in range(2)]
+    assert ok == [200, 200]
+    r = client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"})
+    assert_openai_error(r, 429, "rate_limit_exceeded")
+    assert int(r.headers["Retry-After"]) >= 1
+    # the other tenant is unaffected
+    r = client.post("/v1/completions", headers={"Authorization": f"Bearer {OTHER}"}, json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 200
+
+
+def test_adapter_rate_limit_is_shared_across_tenants():
+    client, _, _ = make(adapter_rate=(1, 1))
+    assert client.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "x"}).status_code == 200
+    r = client.post("/v1/completions", headers={"Authorization": f"Bearer {OTHER}"}, json={"model": "pub", "prompt": "x"})
+    assert_openai_error(r, 429, "rate_limit_exceeded")
+    assert client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"}).status_code == 200
+
+
+def test_streaming_sse():
+    client, _, _ = make()
+    with client.stream("POST", "/v1/chat/completions", headers=H,
+                       json={"model": "pub", "messages": [{"role": "user", "content": "one two three"}], "stream": True,
+                             "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "one two three "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_replica_error_before_first_token_is_an_http_error():
+    llm = FakeLLM(fail_with={"type": "error", "status": 400, "code": "context_length_exceeded", "message": "too long"})
+    client, _, _ = make(llm)
+    assert_openai_error(client.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "x"}),
+                        400, "context_length_exceeded")
+
+
+def test_metrics_after_traffic():
+    client, _, _ = make()
+    client.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "a b", "max_tokens": 4})
+    client.post("/v1/completions", headers=H, json={"model": "nope", "prompt": "a"})
+    text = client.get("/metrics").text
+    assert 'loraserve_requests_total{adapter="pub",status="200",tenant="a"} 1.0' in text
+    assert 'loraserve_errors_total{adapter="-",code="model_not_found",tenant="a"} 1.0' in text
+    assert 'loraserve_ttft_seconds_count{adapter="pub",tenant="a"} 1.0' in text
+    assert 'loraserve_completion_tokens_total{adapter="pub",tenant="a"} 2.0' in text
+    assert 'loraserve_adapter_hits_total{adapter="pub@3",replica="r0"} 4.0' in text
+    assert 'loraserve_spec_acceptance_rate{adapter="pub@3",replica="r0"} 0.75' in text
+    assert 'loraserve_adapter_load_seconds_total{adapter="pub@3",replica="r0"} 0.5' in text
+    assert 'loraserve_batch_size_count 1.0' in text
+
+
+def test_unknown_route_is_openai_error():
+    client, _, _ = make()
+    assert_openai_error(client.get("/v1/nothing", headers=H), 404, "not_found")
+
+
+class BrokenLLM:
+    async def stream(self, req):
+        raise ConnectionError("replica actor died")
+        yield  # an async generator that fails on its first step
+
+
+def test_transport_failure_is_503_and_the_app_keeps_serving():
+    client, _, deps = make(BrokenLLM())
+    assert_openai_error(client.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "x"}),
+                        503, "service_unavailable")
+    deps.llm = FakeLLM()
+    assert client.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "x"}).status_code == 200
+
+
+def test_cold_load_gate_caps_concurrent_requests_for_an_unloaded_adapter():
+    import asyncio
+
+    import httpx
+
+    llm = FakeLLM(load_s=0.5)
+    _, _, deps = make(llm)  # gate: 2 in flight, 0.2 s wait
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=create_openai_app(deps))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            cold = [http.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "a"}) for _ in range(3)]
+            first = await asyncio.gather(*cold)
+            warm = await asyncio.gather(*(http.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "a"})
+                                          for _ in range(3)))
+        return first, warm
+
+    first, warm = asyncio.run(scenario())
+    codes = sorted(r.status_code for r in first)
+    assert codes == [200, 200, 429]
+    refused = next(r for r in first if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "adapter_loading" and refused.headers["retry-after"] == "1"
+    assert [r.status_code for r in warm] == [200, 200, 200]  # loaded: no cap any more

@@ -1,0 +1,10 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    from tests.deployments import serve_harness
+
+    app = serve_harness.acquire()
+    yield app
+    serve_harness.release()

@@ -1,0 +1,166 @@
+import random
+
+import pytest
+
+from router.assignments import AssignmentMemory
+from router.policy import (
+    AffinityConfig,
+    ReplicaState,
+    adapter_family,
+    is_saturated,
+    num_homes,
+    rank_for_adapter,
+    rank_for_base,
+)
+from router.rendezvous import home_replicas
+
+CFG = AffinityConfig()
+
+
+def rs(rid, q=0, dev=(), host=(), mx=8, free=None):
+    return ReplicaState(rid, q, mx, frozenset(dev), frozenset(host), free)
+
+
+@pytest.mark.parametrize(
+    "share,count,n,expected",
+    [
+        (0.9, 1, 3, 1),  # the first request is not "hot"
+        (0.05, 100, 3, 1),  # below hot_share
+        (0.1, 100, 3, 2),  # hot: at least hot_homes
+        (0.5, 100, 3, 3),  # ceil(0.5 * 3 * 1.5) = 3
+        (0.9, 100, 8, 8),  # capped at replicas
+        (0.5, 100, 1, 1),
+        (0.5, 100, 0, 0),
+    ],
+)
+def test_num_homes(share, count, n, expected):
+    assert num_homes(share, count, n, CFG) == expected
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        AffinityConfig(cold_homes=0)
+    with pytest.raises(ValueError):
+        AffinityConfig(hot_share=0)
+    with pytest.raises(ValueError):
+        AffinityConfig(saturation=1.5)
+
+
+def test_saturation():
+    assert not is_saturated(rs("a", q=5), CFG)
+    assert is_saturated(rs("a", q=6), CFG)  # floor(0.75 * 8)
+    assert is_saturated(rs("a", q=0, free=0), CFG)
+    assert not is_saturated(rs("a", q=0, mx=1), CFG)
+
+
+def test_cold_adapter_stays_where_it_lives_even_when_that_replica_is_busier():
+    reps = [rs("r0", q=0), rs("r1", q=3, dev=["x@1"]), rs("r2", q=0)]
+    home = home_replicas("x", ["r0", "r1", "r2"], 1)[0]
+    tiers = rank_for_adapter("x@1", reps, 1, CFG)
+    assert tiers[0] == ["r1"]  # no second copy while the holder has room
+    if home != "r1":
+        assert tiers[1] == [home]
+    assert sorted(sum(tiers, [])) == ["r0", "r1", "r2"]
+
+
+def test_hot_adapter_ranks_holders_and_homes_together():
+    ids = ["r0", "r1", "r2", "r3"]
+    homes = home_replicas("x", ids, 2)
+    holder = next(i for i in ids if i not in homes)
+    reps = [rs(i, q=1, host=["x"] if i == holder else []) for i in ids]
+    tiers = rank_for_adapter("x", reps, 2, CFG)
+    assert set(tiers[0]) == set(homes) | {holder}
+
+
+def test_cold_new_adapter_goes_to_its_home():
+    reps = [rs(f"r{i}") for i in range(4)]
+    for i in range(20):
+        key = f"ad{i}@1"
+        tiers = rank_for_adapter(key, reps, 1, CFG)
+        assert tiers[0] == home_replicas(f"ad{i}", [r.replica_id for r in reps], 1)
+
+
+def test_versions_share_homes():
+    reps = [rs(f"r{i}") for i in range(5)]
+    assert rank_for_adapter("x@1", reps, 1, CFG)[0] == rank_for_adapter("x@2", reps, 1, CFG)[0]
+    assert adapter_family("x@2") == "x" and adapter_family("x") == "x"
+
+
+def test_device_before_host_residency_in_tier0():
+    reps = [rs("r0", q=0, host=["x"]), rs("r1", q=2, dev=["x"])]
+    assert rank_for_adapter("x", reps, 1, CFG)[0][0] == "r1"
+
+
+def test_spills_when_preferred_saturated():
+    home = home_replicas("x", ["r0", "r1", "r2"], 1)[0]
+    others = [r for r in ["r0", "r1", "r2"] if r != home]
+    reps = [rs(home, q=7, dev=["x"]), rs(others[0], q=2), rs(others[1], q=1)]
+    tiers = rank_for_adapter("x", reps, 1, CFG)
+    assert tiers[0] == [others[1], others[0]]  # spill tier, least loaded first
+    assert tiers[1] == [home]  # saturated preferred still beats nothing
+
+
+def test_spill_prefers_replicas_holding_it_in_host_memory_on_tie():
+    reps = [rs("a", q=9, dev=["x"]), rs("b", q=1), rs("c", q=1, host=["y"])]
+    # 'x' homed somewhere; force 1 home = the saturated one by making it resident
+    tiers = rank_for_adapter("y", reps, 1, CFG)
+    assert "c" in tiers[0]
+
+
+def test_hot_adapter_spreads_over_its_homes():
+    reps = [rs(f"r{i}") for i in range(4)]
+    homes = set(home_replicas("hot", [r.replica_id for r in reps], 2))
+    rng = random.Random(0)
+    firsts = {rank_for_adapter("hot", reps, 2, CFG, rng)[0][0] for _ in range(50)}
+    assert firsts == homes
+
+
+def test_everything_saturated_still_routes_preferred_first():
+    reps = [rs("r0", q=8, dev=["x"]), rs("r1", q=8)]
+    tiers = rank_for_adapter("x", reps, 1, CFG)
+    assert tiers[0][0] == "r0"
+
+
+def test_base_power_of_two():
+    reps = [rs("r0", q=5), rs("r1", q=1), rs("r2", q=3)]
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(50):
+        (tier,) = rank_for_base(reps, rng)
+        assert len(tier) == 2
+        qs = {r.replica_id: r.queue_len for r in reps}
+        assert qs[tier[0]] <= qs[tier[1]]
+        seen.update(tier)
+    assert seen == {"r0", "r1", "r2"}
+    assert rank_for_base([]) == []
+    assert rank_for_base([rs("only")]) == [["only"]]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_assignment_memory_bridges_until_report_contradicts():
+    clock = Clock()
+    mem = AssignmentMemory(ttl_s=30, clock=clock)
+    mem.note("x@1", "r0")
+    assert mem.adapters_on("r0", frozenset(), None) == {"x@1"}
+    assert mem.adapters_on("r1", frozenset(), None) == frozenset()
+    # a report older than the assignment does not contradict it
+    assert mem.adapters_on("r0", frozenset(), 99.0) == {"x@1"}
+    clock.t = 101.0
+    # a newer report that lists it: still believed; one that does not: forgotten
+    assert mem.adapters_on("r0", frozenset({"x@1"}), 100.5) == {"x@1"}
+    assert mem.adapters_on("r0", frozenset(), 100.5) == frozenset()
+
+
+def test_assignment_memory_expires():
+    clock = Clock()
+    mem = AssignmentMemory(ttl_s=5, clock=clock)
+    mem.note("x", "r0")
+    clock.t += 6
+    assert mem.adapters_on("r0", frozenset(), None) == frozenset()
