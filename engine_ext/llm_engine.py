@@ -67,7 +67,10 @@ class LLMEngine:
         self.adapters.add(name, path, pinned)
 
     def remove_adapter(self, name: str) -> None:
+        """Forget an adapter: waiting requests for it end with "abort"; running ones finish on it, and its
+        device slot is freed as soon as none uses it (at once when idle)."""
         self.adapters.remove(name)
+        self._fail_orphans()
 
     def has_adapter(self, name: str) -> bool:
         return self.adapters.known(name)

@@ -141,3 +141,16 @@ def test_name_keeps_its_weights(env, tmp_path):
     other = build_adapter(model, str(tmp_path / "other"), seed=11, r=8)
     with pytest.raises(AdapterError, match="already loaded"):
         engine.add_adapter("good", other)
+
+
+def test_removed_name_can_be_reused_at_once_when_idle(env, tmp_path):
+    engine, model, good, _ = env
+    engine.add_adapter("reuse", good)
+    engine.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+                    adapter_names=["reuse"])
+    assert "reuse" in engine.stats()["device_adapters"]
+    engine.remove_adapter("reuse")
+    assert "reuse" not in engine.stats()["device_adapters"] and not engine.has_adapter("reuse")
+    other = build_adapter(model, str(tmp_path / "other2"), seed=12, r=8)
+    engine.add_adapter("reuse", other)
+    assert engine.has_adapter("reuse")
