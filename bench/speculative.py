@@ -38,11 +38,18 @@ def setup(args, tdtype):
     return model, adapters
 
 
+def fast_options(args) -> dict:
+    """--fast: the GPU path (Triton LoRA and paged-attention kernels, CUDA graphs)."""
+    if not args.fast:
+        return {}
+    return {"lora_backend": "triton", "attn_backend": "triton", "cuda_graphs": True, "max_model_len": 512}
+
+
 def run_mode(model, adapters, spec, args, dtype, prompts, names):
     engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=dtype, max_loras=max(1, len(adapters)),
                                     max_cpu_loras=max(1, len(adapters)), max_lora_rank=max(args.rank, 64),
                                     max_num_seqs=args.batch, speculative=spec,
-                                    kv_cache_memory_gb=8 if args.device == "cuda" else 0.5))
+                                    kv_cache_memory_gb=8 if args.device == "cuda" else 0.5, **fast_options(args)))
     for name, path in adapters.items():
         engine.add_adapter(name, path)
     measure_decode(engine, prompts, names, 8, SamplingParams)  # warm-up: adapter loads, gate measurements
@@ -68,6 +75,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--workdir", default="/tmp/loraserve-bench")
+    ap.add_argument("--fast", action="store_true", help="Triton kernels + CUDA graphs (GPU only)")
     args = ap.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     model, adapters = setup(args, getattr(torch, dtype))
@@ -91,7 +99,8 @@ def main() -> None:
         r["speedup_vs_plain"] = r["tokens_per_s"] / plain
     print(json.dumps({"bench": "speculative", "machine": machine(), "model": "demo" if args.demo else args.shape,
                       "batch": args.batch, "distinct_adapters": len(adapters), "rank": None if args.demo else args.rank,
-                      "scale": None if args.demo else args.scale, "max_tokens": args.max_tokens, "results": results},
+                      "scale": None if args.demo else args.scale, "max_tokens": args.max_tokens, "fast": args.fast,
+                      "results": results},
                      indent=1))
 
 
