@@ -39,6 +39,7 @@ class AdapterAcceptance:
     accepted: int = 0
     rejected: int = 0
     verifies: int = 0
+    samples: int = 0
     idle_steps: int = 0  # plain steps since it last drafted (for probing a gated-off adapter)
 
     def observe(self, drafted: int, accepted: int, weight: float) -> None:
@@ -49,7 +50,11 @@ class AdapterAcceptance:
         self.verifies += 1
         self.idle_steps = 0
         if judged:
-            self.ema = (1 - weight) * self.ema + weight * (accepted / judged)
+            # A running mean over the first samples (the prior counts as one), then an EMA: a new adapter's
+            # acceptance is learned in a few cycles, and drift is still followed later.
+            self.samples += 1
+            w = max(weight, 1.0 / (self.samples + 1))
+            self.ema = (1 - w) * self.ema + w * (accepted / judged)
 
     @property
     def rate(self) -> float | None:
@@ -63,25 +68,30 @@ class StepTimes:
     def __init__(self, weight: float = 0.2):
         self.weight = weight
         self._t: dict[tuple[str, int, int], float] = {}
+        self._n: Counter[tuple[str, int, int]] = Counter()
 
     def record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
         key = (kind, _bucket(tokens), _bucket(adapters) if adapters else 0)
+        self._n[key] += 1
         old = self._t.get(key)
-        self._t[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+        # The first pass at a new shape pays one-off costs (kernel selection, graph capture, first-touch
+        # memory): the second sample replaces it instead of being averaged with it.
+        self._t[key] = seconds if old is None or self._n[key] == 2 else (1 - self.weight) * old + self.weight * seconds
 
     def get(self, kind: str, tokens: int, adapters: int) -> float | None:
-        """The measured time at this bucket; else the nearest measured token bucket of the same kind and
-        adapter bucket, scaled up linearly when it holds fewer tokens (pessimistic where passes are
-        bandwidth-bound, right where they are compute-bound); None if nothing comparable was measured."""
+        """The measured time at this bucket; else the nearest measured bucket of the same kind (token and
+        adapter buckets compared on a log scale), scaled up linearly when it holds fewer tokens
+        (pessimistic where passes are bandwidth-bound, right where they are compute-bound); None if
+        this kind of pass was never measured."""
         ab = _bucket(adapters) if adapters else 0
         tb = _bucket(tokens)
         exact = self._t.get((kind, tb, ab))
         if exact is not None:
             return exact
-        known = [(t, v) for (k, t, a), v in self._t.items() if k == kind and a == ab]
+        known = [(t, a, v) for (k, t, a), v in self._t.items() if k == kind]
         if not known:
             return None
-        t, v = min(known, key=lambda tv: abs(tv[0].bit_length() - tb.bit_length()))
+        t, _, v = min(known, key=lambda e: abs(e[0].bit_length() - tb.bit_length()) + abs(e[1].bit_length() - ab.bit_length()))
         return v * max(1.0, tb / t)
 
 
@@ -92,6 +102,7 @@ class Gate:
         self.acceptance: dict[str, AdapterAcceptance] = {}
         self.decisions: Counter[str] = Counter()
         self.probe_interval = probe_interval
+        self.plain_streak = 0  # consecutive plain decisions; a probe cycle refreshes stale measurements
 
     def adapter(self, name: str) -> AdapterAcceptance:
         if name not in self.acceptance:
@@ -103,7 +114,9 @@ class Gate:
         k = self.cfg.num_draft_tokens
         if not self.cfg.gate:
             return [min(k, c) for c in caps]
-        ratio = self._draft_cost_ratio(batch, len(set(adapters)))
+        # A long run of plain steps re-measures drafting once with the neutral prior.
+        probing = self.probe_interval and self.plain_streak >= self.probe_interval
+        ratio = 0.5 if probing else self._draft_cost_ratio(batch, len(set(adapters)))
         out = []
         for name, cap in zip(adapters, caps):
             acc = self.adapter(name)
@@ -131,16 +144,21 @@ class Gate:
         if not any(lengths):
             if caps is not None and not any(caps):
                 self._count("plain_nothing_to_draft", "every sequence is one token from its end")
+            elif all(self.adapter(a).ema < self.cfg.min_acceptance for a in adapters):
+                self._count("plain_low_acceptance", "every adapter's acceptance is below the drafting threshold")
             else:
-                self._count("plain_low_acceptance", "no adapter's acceptance repays a draft at the measured costs")
+                self._count("plain_cost", "no draft length repays its base passes at the measured costs")
             return False
+        if self.probe_interval and self.plain_streak >= self.probe_interval:
+            self._count("speculate_probe", f"{self.plain_streak} plain steps in a row: re-measure drafting")
+            return True
         passes = max(lengths)
         t_base = self.times.get("base", batch, 0)
         t_plain = self.times.get("lora", batch, distinct)
         verify_tokens = sum(m + 1 for m in lengths) + num_base
         t_verify = self.times.get("lora", verify_tokens, distinct)
         if t_base is None or t_verify is None:
-            self._count("speculate_explore", "pass times at this batch not measured yet")
+            self._count("speculate_explore", "no base-only or adapter-on pass measured yet")
             return True
         if t_plain is None:
             self._count("plain_explore", "plain step time at this batch not measured yet")
@@ -156,4 +174,5 @@ class Gate:
 
     def _count(self, decision: str, why: str) -> None:
         self.decisions[decision] += 1
+        self.plain_streak = self.plain_streak + 1 if decision.startswith("plain") else 0
         logger.debug("gate: %s (%s)", decision, why)

@@ -71,18 +71,18 @@ class Speculator:
         names = [s.adapter for s in lora_seqs]
         caps = [self._cap(s) for s in lora_seqs]
         lengths = self.gate.draft_lengths(names, caps, len(decoding))
-        has_prefill = len(decoding) < len(batch.seqs)
+        prefill_tokens = sum(s.num_tokens - s.num_computed for s in batch.seqs if s.is_prefill)
         if lora_seqs and self.gate.decide(names, lengths, len(base_seqs), caps):
             self.cycles += 1
-            self._cycle(batch.seqs, dict(zip(map(id, lora_seqs), lengths)), base_seqs, has_prefill)
+            self._cycle(batch.seqs, dict(zip(map(id, lora_seqs), lengths)), base_seqs)
         else:
             self.plain_steps += 1
             for name in set(names):
                 self.gate.adapter(name).idle_steps += 1
             start = time.perf_counter()
             e.run_plain(batch.seqs)
-            if not has_prefill:
-                self.gate.times.record("lora", len(batch.seqs), len(set(names)), time.perf_counter() - start)
+            tokens = len(decoding) + prefill_tokens  # one token per decoding sequence, the prompt for prefills
+            self.gate.times.record("lora", tokens, len(set(names)), time.perf_counter() - start)
         for s in batch.seqs:  # give back the lookahead blocks nothing was written to
             if not s.finished:
                 e.blocks.truncate(s.block_table, s.num_tokens)
@@ -94,7 +94,7 @@ class Speculator:
         return max(0, min(self.cfg.num_draft_tokens, left - 1))
 
     # ------------------------------------------------------------ the cycle
-    def _cycle(self, seqs: list[Sequence], lengths: dict[int, int], base_seqs: list[Sequence], has_prefill: bool):
+    def _cycle(self, seqs: list[Sequence], lengths: dict[int, int], base_seqs: list[Sequence]):
         e = self.engine
         slots = e.adapters.slots
         drafters = [s for s in seqs if lengths.get(id(s), 0) > 0]
@@ -119,9 +119,9 @@ class Speculator:
         start = time.perf_counter()
         logits = e.runner.run(work, slots)
         self._settle_all(live, work, logits, drafts, qs)
-        if not has_prefill:
-            distinct = len({s.adapter for s in live if s.adapter is not None})
-            self.gate.times.record("lora", sum(len(w.token_ids) for w in work), distinct, time.perf_counter() - start)
+        # Time per pass size (prefill tokens included): the cost model compares passes by their token count.
+        distinct = len({s.adapter for s in live if s.adapter is not None})
+        self.gate.times.record("lora", sum(len(w.token_ids) for w in work), distinct, time.perf_counter() - start)
 
     def _settle_all(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict):
         """Commit each sequence's tokens from the verify pass (batched where the math allows)."""
