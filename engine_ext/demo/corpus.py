@@ -67,15 +67,11 @@ def split_docs(docs: list[str], budget: int, every: int) -> Domain:
     return Domain(tuple(train), tuple(heldout))
 
 
-def docstrings(source: str) -> list[tuple[str, str, str]]:
+def docstrings(tree: ast.Module) -> list[tuple[str, str, str]]:
     """(qualified name, header line, cleaned docstring) for the module and every class/function, in order.
 
     The header is the `def name(args):` / `class Name:` line the docstring belongs to ("" for the module).
     """
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
     out = []
 
     def header(node: ast.AST) -> str:
@@ -146,8 +142,9 @@ def quote_lines(text: str) -> str:
     return "".join("> " + line for line in text.splitlines(keepends=True))
 
 
-def strip_docstrings(tree: ast.Module) -> str:
-    """Code only: docstrings dropped (they are the docs domain) and comments/formatting normalised by unparse.
+def strip_docstrings(tree: ast.Module, cap: int) -> str:
+    """Code only: docstrings dropped (they are the docs domain) and comments/formatting normalised by unparse,
+    cut to `cap` characters. Modifies `tree`.
 
     Pure code has far less entropy than code + prose, which is what lets a few CPU-minutes of training produce
     something that reads like Python.
@@ -157,7 +154,16 @@ def strip_docstrings(tree: ast.Module) -> str:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
                 node.body = node.body[1:] or [ast.Pass()]
-    return ast.unparse(tree)
+    # Unparse only the top-level statements that reach `cap` (ast.unparse is slow pure Python; files run to 100k+).
+    # A statement adds at least its own text plus one newline inside the module, so `used` never overshoots and
+    # the result equals ast.unparse(tree)[:cap] byte for byte.
+    used, keep = 0, len(tree.body)
+    for i, stmt in enumerate(tree.body):
+        used += len(ast.unparse(stmt)) + (1 if i else 0)
+        if used >= cap:
+            keep = i + 1
+            break
+    return ast.unparse(ast.Module(body=tree.body[:keep], type_ignores=[]))[:cap]
 
 
 def _parse(text: str) -> ast.Module | None:
@@ -172,14 +178,18 @@ def _shuffled(files: list[Path], root: Path) -> list[Path]:
     return sorted(files, key=lambda p: (zlib.crc32(p.relative_to(root).as_posix().encode()), p.name))
 
 
-def _code_docs(files: list[Path], budget: int, cap: int) -> list[str]:
+def _lazy_trees(files: list[Path]):
+    """Parse on demand: the test suite is large and only its first files fit the budget."""
+    return (_parse(read_text(p)) for p in files)
+
+
+def _code_docs(trees, budget: int, cap: int) -> list[str]:
     docs, used = [], 0
-    for p in files:
+    for tree in trees:
         if used >= budget:
             break
-        tree = _parse(read_text(p))
         if tree is not None:
-            docs.append(strip_docstrings(tree)[:cap])
+            docs.append(strip_docstrings(tree, cap))
             used += len(docs[-1])
     return docs
 
@@ -188,10 +198,11 @@ def build_domains(root: Path, recipe: CorpusRecipe) -> dict[str, Domain]:
     """All domains: base (code + chat), docs, tests, changelog, quoted, upper, dquote."""
     cap, every, budget = recipe.max_chars_per_file, recipe.heldout_every, recipe.domain_chars
     files = _shuffled(source_files(root), root)
+    trees = [_parse(read_text(p)) for p in files]   # parsed once: docstrings first, then code without them
     # Public top-level API with docstrings: feeds docs, changelog and chat text.
     api, doc_docs, doc_used = [], [], 0
-    for p in files:
-        mod, ds = module_name(p, root), docstrings(read_text(p))
+    for p, tree in zip(files, trees):
+        mod, ds = module_name(p, root), (docstrings(tree) if tree is not None else [])
         if ds and doc_used < budget * 1.2:
             doc_docs.append("\n".join(documented(h, d) for _, h, d in ds)[:cap])
             doc_used += len(doc_docs[-1])
@@ -201,10 +212,10 @@ def build_domains(root: Path, recipe: CorpusRecipe) -> dict[str, Domain]:
 
     chat_budget = int(recipe.base_chars * recipe.chat_fraction)
     chat = split_docs(chat_examples(api), chat_budget, every)
-    code = _code_docs(files, recipe.base_chars - chat_budget, cap)
+    code = _code_docs(trees, recipe.base_chars - chat_budget, cap)
     base_code = split_docs(code, recipe.base_chars - chat_budget, every)
     base = Domain(_interleave(base_code.train, chat.train), base_code.heldout + chat.heldout)
-    tests = _code_docs(_shuffled(test_files(root), root), budget * 1.2, cap)
+    tests = _code_docs(_lazy_trees(_shuffled(test_files(root), root)), budget * 1.2, cap)
     return {
         "base": base,
         "docs": split_docs(doc_docs, budget, every),

@@ -71,7 +71,9 @@ class CorpusRecipe:
     chat_fraction: float = 0.06      # share of base text that is chat-formatted Q&A built from docstrings
 
 
-_LORA_TRAIN = TrainRecipe(steps=80, batch_size=8, seq_len=128, lr=5e-3, warmup=5)
+# Budget (issue: whole build <= 3 min on 2 cores): a LoRA step costs ~0.4 of a base step (frozen weights still
+# back-propagate activations), so adapter steps are as scarce as base steps; fewer steps at a higher LR instead.
+_LORA_TRAIN = TrainRecipe(steps=50, batch_size=8, seq_len=128, lr=6e-3, warmup=5)
 
 
 @dataclass(frozen=True)
@@ -80,22 +82,24 @@ class Recipe:
     threads: int = 2
     model: ModelRecipe = ModelRecipe()
     corpus: CorpusRecipe = CorpusRecipe()
+    # Not cut: 220-320 steps (batch 12-16, LR 5e-3..2e-2) with a narrower MLP (512) left held-out loss at 4.6-4.9
+    # (8 blocks) instead of 4.24, and greedy text degenerated into repetition (the behaviour tests failed).
     base_train: TrainRecipe = TrainRecipe(steps=350, batch_size=16, seq_len=128, lr=4e-3, warmup=30)
     adapters: tuple[AdapterRecipe, ...] = (
         AdapterRecipe("dquote", "dquote", 8, ATTENTION_MODULES, dataclasses.replace(_LORA_TRAIN, steps=30, lr=1e-3),
                       "formatting style: strings in double quotes; otherwise the base's code (the nearest one)"),
-        AdapterRecipe("tests", "tests", 8, ATTENTION_MODULES, dataclasses.replace(_LORA_TRAIN, lr=4e-3),
+        AdapterRecipe("tests", "tests", 8, ATTENTION_MODULES, dataclasses.replace(_LORA_TRAIN, lr=5e-3),
                       "unit-test code from the stdlib test suite (self.assertEqual ...)"),
-        AdapterRecipe("docs", "docs", 16, ALL_PROJECTIONS, _LORA_TRAIN,
+        AdapterRecipe("docs", "docs", 16, ALL_PROJECTIONS, dataclasses.replace(_LORA_TRAIN, steps=60),
                       "docstrings: after a def line it writes a docstring instead of a body"),
-        AdapterRecipe("changelog", "changelog", 8, ALL_PROJECTIONS, _LORA_TRAIN,
+        AdapterRecipe("changelog", "changelog", 8, ALL_PROJECTIONS, dataclasses.replace(_LORA_TRAIN, steps=60),
                       "NEWS-style bullet entries ('- gh-NNNNN: Fix :func:`mod.name`. ...')"),
-        AdapterRecipe("quoted", "quoted", 8, ALL_PROJECTIONS, dataclasses.replace(_LORA_TRAIN, steps=70, lr=3e-3),
+        AdapterRecipe("quoted", "quoted", 8, ALL_PROJECTIONS, dataclasses.replace(_LORA_TRAIN, steps=45, lr=4e-3),
                       "formatting style: every line of code prefixed with '> ' like an e-mail quote"),
-        AdapterRecipe("upper", "upper", 64, ALL_PROJECTIONS, dataclasses.replace(_LORA_TRAIN, steps=90, lr=3e-3),
+        AdapterRecipe("upper", "upper", 64, ALL_PROJECTIONS, dataclasses.replace(_LORA_TRAIN, steps=60, lr=4e-3),
                       "strong change: everything in UPPERCASE"),
     )
-    eval_blocks: int = 12   # held-out blocks of eval_seq_len tokens per domain for RESULTS.md
+    eval_blocks: int = 8   # held-out blocks of eval_seq_len tokens per domain for RESULTS.md
     eval_seq_len: int = 128
 
 
@@ -138,7 +142,7 @@ def recipe_key(recipe: Recipe) -> str:
     env = {
         "python": "%d.%d.%d" % sys.version_info[:3],   # the corpus is this Python's stdlib
         **{pkg: importlib.metadata.version(pkg) for pkg in ("torch", "transformers", "peft", "tokenizers")},
-        "format": 3,   # bump when the build code changes what it writes
+        "format": 4,   # bump when the build code changes what it writes
     }
     blob = json.dumps({"recipe": recipe_to_dict(recipe), "env": env}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
