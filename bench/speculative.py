@@ -93,6 +93,7 @@ def main() -> None:
     modes = {"plain": None}
     modes |= {f"spec-k{k}": SpecConfig(num_draft_tokens=k, gate=False) for k in range(1, args.k + 1)}
     modes[f"spec-k{args.k}-gate"] = SpecConfig(num_draft_tokens=args.k, gate=True)
+    run_mode(model, adapters, None, args, dtype, prompts, names)  # process warm-up, not reported
     results = {m: run_mode(model, adapters, spec, args, dtype, prompts, names) for m, spec in modes.items()}
     plain = results["plain"]["tokens_per_s"]
     for r in results.values():

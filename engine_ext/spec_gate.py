@@ -79,10 +79,10 @@ class StepTimes:
         self._t[key] = seconds if old is None or self._n[key] == 2 else (1 - self.weight) * old + self.weight * seconds
 
     def get(self, kind: str, tokens: int, adapters: int) -> float | None:
-        """The measured time at this bucket; else the nearest measured bucket of the same kind (token and
-        adapter buckets compared on a log scale), scaled up linearly when it holds fewer tokens
-        (pessimistic where passes are bandwidth-bound, right where they are compute-bound); None if
-        this kind of pass was never measured."""
+        """The measured time at this bucket; else that of the nearest measured bucket of the same kind
+        (token and adapter buckets compared on a log scale), unscaled. The fallback is deliberately
+        optimistic: a decision it drives runs the pass and so measures the missing bucket, while a
+        pessimistic guess would keep the gate from ever trying it. None if never measured."""
         ab = _bucket(adapters) if adapters else 0
         tb = _bucket(tokens)
         exact = self._t.get((kind, tb, ab))
@@ -91,8 +91,7 @@ class StepTimes:
         known = [(t, a, v) for (k, t, a), v in self._t.items() if k == kind]
         if not known:
             return None
-        t, _, v = min(known, key=lambda e: abs(e[0].bit_length() - tb.bit_length()) + abs(e[1].bit_length() - ab.bit_length()))
-        return v * max(1.0, tb / t)
+        return min(known, key=lambda e: abs(e[0].bit_length() - tb.bit_length()) + abs(e[1].bit_length() - ab.bit_length()))[2]
 
 
 class Gate:

@@ -51,8 +51,10 @@ def test_step_times_fall_back_to_nearest_bucket():
     t = StepTimes()
     assert t.get("lora", 4, 1) is None
     t.record("lora", 4, 1, 0.01)
-    assert t.get("lora", 4, 1) == 0.01 and t.get("lora", 16, 1) == pytest.approx(0.04)
-    assert t.get("lora", 2, 1) == 0.01 and t.get("base", 4, 0) is None
+    assert t.get("lora", 4, 1) == 0.01 and t.get("lora", 16, 1) == 0.01 and t.get("lora", 2, 8) == 0.01
+    t.record("lora", 16, 1, 0.03)
+    assert t.get("lora", 16, 1) == 0.03 and t.get("lora", 32, 1) == 0.03 and t.get("lora", 4, 1) == 0.01
+    assert t.get("base", 4, 0) is None
 
 
 @pytest.fixture(scope="module")
