@@ -19,18 +19,22 @@ def sha_map(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
-def build_adapter(base_dir: Path, out: Path, seed: int, r: int = 4) -> None:
+def build_adapter(base_dir: Path, out: Path, seed: int, r: int = 4, lora_kwargs: dict | None = None,
+                  std: float = 0.02) -> None:
+    """A PEFT adapter on the tiny base: LoraConfig(**lora_kwargs) (default: rank r on q/v/down_proj),
+    lora_B drawn with `std` (PEFT initialises it to zero, which would hide factor mix-ups)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM.from_pretrained(base_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj", "down_proj"]))
-    with torch.no_grad():  # PEFT initialises lora_B to zero; a zero adapter would hide factor mix-ups
+    kwargs = lora_kwargs or dict(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_model = get_peft_model(model, LoraConfig(**kwargs))
+    with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
-                p.normal_(std=0.02)
+                p.normal_(std=std)
     peft_model.save_pretrained(out)
     cfg = json.loads((out / "adapter_config.json").read_text())
     cfg["base_model_name_or_path"] = BASE

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from registry import AdapterStatus
 from registry.api import create_app
-from tests.registry.adapter_kit import BASE, sha_map
+from tests.registry.adapter_kit import BASE, build_adapter, sha_map
 
 W = "adapter_model.safetensors"
 ADMIN = {"Authorization": "Bearer admin-token"}
@@ -45,28 +45,11 @@ SPECS: dict[str, tuple[dict, int, list[str]]] = {
 }
 
 
-def _build(base_dir: Path, out: Path, seed: int, lora_kwargs: dict) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(base_dir), LoraConfig(**lora_kwargs))
-    with torch.no_grad():  # PEFT zero-initialises lora_B; random values make the numerical check meaningful
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05)
-    model.save_pretrained(out)
-    cfg = json.loads((out / "adapter_config.json").read_text())
-    cfg["base_model_name_or_path"] = BASE
-    (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "README.md").unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="session")
 def peft_templates(tiny_base, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("peft-features")
     for seed, (key, (kwargs, _, _)) in enumerate(SPECS.items()):
-        _build(tiny_base, root / key, seed + 10, kwargs)
+        build_adapter(tiny_base, root / key, seed + 10, lora_kwargs=kwargs, std=0.05)
     return {key: root / key for key in SPECS}
 
 
