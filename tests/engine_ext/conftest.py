@@ -11,3 +11,19 @@ def demo_paths() -> dict:
     from engine_ext.demo import ensure_demo
 
     return ensure_demo()
+
+
+@pytest.fixture(scope="session")
+def demo_hf(demo_paths):
+    """(tokenizer, PeftModel holding every demo adapter); `with model.disable_adapter()` is the base."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_paths["model"])
+    base = AutoModelForCausalLM.from_pretrained(demo_paths["model"], torch_dtype=torch.float32).eval()
+    names = list(demo_paths["adapters"])
+    model = PeftModel.from_pretrained(base, demo_paths["adapters"][names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(demo_paths["adapters"][name], adapter_name=name)
+    return tok, model.eval()

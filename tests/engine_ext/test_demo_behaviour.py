@@ -13,18 +13,8 @@ MAX_NEW = 48
 
 
 @pytest.fixture(scope="module")
-def hf(demo_paths):
-    """(tokenizer, PeftModel holding every demo adapter); `with model.disable_adapter()` is the base."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(demo_paths["model"])
-    base = AutoModelForCausalLM.from_pretrained(demo_paths["model"], torch_dtype=torch.float32).eval()
-    names = list(demo_paths["adapters"])
-    model = PeftModel.from_pretrained(base, demo_paths["adapters"][names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(demo_paths["adapters"][name], adapter_name=name)
-    return tok, model.eval()
+def hf(demo_hf):
+    return demo_hf
 
 
 def greedy(hf, prompt: str, adapter: str | None, max_new: int = MAX_NEW) -> str:

@@ -1,8 +1,9 @@
 """Acceptance 1 of the demo: our engine and transformers+peft give the same greedy tokens on the demo set."""
 from __future__ import annotations
 
-import pytest
 import torch
+
+from engine_ext import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = ["def __init__(self", "import os\n\n", "class Parser:\n    def parse(self"]
 MAX_TOKENS = 24
@@ -19,22 +20,9 @@ def _strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
-def test_engine_matches_transformers_peft_greedy_for_base_and_every_adapter(demo_paths):
-    engine_ext = pytest.importorskip("engine_ext")
-    if not hasattr(engine_ext, "LLMEngine"):
-        pytest.fail("engine_ext.LLMEngine is not implemented yet")
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engine_ext import EngineConfig, LLMEngine, SamplingParams
-
-    tok = AutoTokenizer.from_pretrained(demo_paths["model"])
-    base = AutoModelForCausalLM.from_pretrained(demo_paths["model"], torch_dtype=torch.float32).eval()
+def test_engine_matches_transformers_peft_greedy_for_base_and_every_adapter(demo_paths, demo_hf):
+    tok, peft_model = demo_hf
     names = list(demo_paths["adapters"])
-    peft_model = PeftModel.from_pretrained(base, demo_paths["adapters"][names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        peft_model.load_adapter(demo_paths["adapters"][name], adapter_name=name)
-    peft_model.eval()
 
     cases = [(p, a) for a in [None, *names] for p in PROMPTS]      # every adapter and the base, mixed in one batch
     expected = []
