@@ -7,7 +7,8 @@ import json
 import uuid
 from pathlib import Path
 
-__all__ = ["BASE", "BACKENDS", "INCOMING_BUCKET", "TEST_LIMITS", "sha_map", "build_adapter", "upload_dir"]
+__all__ = ["BASE", "BACKENDS", "INCOMING_BUCKET", "TEST_LIMITS", "sha_map", "build_adapter", "stage_copy",
+           "upload_dir"]
 
 BASE = "tiny-llama"
 BACKENDS = ["sqlite+local", "redis+s3"]
@@ -17,6 +18,17 @@ TEST_LIMITS = dict(max_lora_rank=8, max_file_bytes=256 * 1024, max_total_bytes=5
 
 def sha_map(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def stage_copy(template: Path, incoming_root: Path, name: str, mutate=None) -> Path:
+    """A fresh copy of a template adapter under the allowed root, optionally mutated in place."""
+    import shutil
+
+    dst = incoming_root / f"{name}-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(template, dst)
+    if mutate:
+        mutate(dst)
+    return dst
 
 
 def build_adapter(base_dir: Path, out: Path, seed: int, r: int = 4, lora_kwargs: dict | None = None,

@@ -3,7 +3,6 @@ on both backend pairs (SQLite + local dir, Redis + S3 via real redis-server / mo
 
 from __future__ import annotations
 
-import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -23,7 +22,7 @@ from registry.sources import SourceFetcher, SourceLimits  # noqa: E402
 from registry.sqlite_store import SQLiteMetadataStore  # noqa: E402
 from tests.fixtures.services import moto_server, redis_server  # noqa: E402,F401
 from tests.registry.adapter_kit import (BACKENDS, BASE, INCOMING_BUCKET, TEST_LIMITS,  # noqa: E402
-                                       build_adapter)
+                                       build_adapter, stage_copy)
 
 @pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory) -> Path:
@@ -58,11 +57,7 @@ def incoming_root(tmp_path_factory) -> Path:
 def stage(incoming_root, adapter_templates) -> Callable[..., Path]:
     """stage('a', mutate=fn(dir)) -> a fresh copy of a template under the allowed root, optionally mutated."""
     def _stage(template: str = "a", mutate: Callable[[Path], None] | None = None) -> Path:
-        dst = incoming_root / f"{template}-{uuid.uuid4().hex[:8]}"
-        shutil.copytree(adapter_templates[template], dst)
-        if mutate:
-            mutate(dst)
-        return dst
+        return stage_copy(adapter_templates[template], incoming_root, template, mutate)
     return _stage
 
 

@@ -5,8 +5,6 @@ and alpha) and target_modules given as a regex string. Adapters are built by rea
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from registry import AdapterStatus
 from registry.api import create_app
-from tests.registry.adapter_kit import BASE, build_adapter, sha_map
+from tests.registry.adapter_kit import BASE, build_adapter, sha_map, stage_copy
 
 W = "adapter_model.safetensors"
 ADMIN = {"Authorization": "Bearer admin-token"}
@@ -56,11 +54,7 @@ def peft_templates(tiny_base, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def stage_peft(incoming_root, peft_templates) -> Callable[..., Path]:
     def _stage(template: str, mutate: Callable[[Path], None] | None = None) -> Path:
-        dst = incoming_root / f"pf-{template}-{uuid.uuid4().hex[:8]}"
-        shutil.copytree(peft_templates[template], dst)
-        if mutate:
-            mutate(dst)
-        return dst
+        return stage_copy(peft_templates[template], incoming_root, f"pf-{template}", mutate)
     return _stage
 
 
