@@ -86,8 +86,10 @@ class DecodeGraphs:
     """Captured forwards of `model` at bucketed token counts, replayed for decode-shaped batches."""
 
     def __init__(self, model, kv_caches, lora_op, attn_op, block_size: int, max_blocks_per_seq: int,
-                 scratch_block: int, max_tokens: int, device: torch.device, compile_model: bool = False):
+                 scratch_block: int, max_tokens: int, device: torch.device, compile_model: bool = False,
+                 group_lora_op=None):
         self.model, self.kv_caches, self.lora_op, self.attn_op = model, kv_caches, lora_op, attn_op
+        self.group_lora_op = None if compile_model else group_lora_op  # compile: per-module opaque ops
         self.compiled = None
         if compile_model:
             self.lora_op, self.attn_op = _opaque_ops(lora_op, attn_op)
@@ -114,7 +116,7 @@ class DecodeGraphs:
                             block_tables=self.tables[: bucket + 1], token_seq=r[_SEQ, :bucket],
                             token_qidx=r[_QIDX, :bucket], max_query_len=bucket, kernel=self.attn_op)
         s = self._slots
-        lora = LoRABatch(self.lora_op, r[_LORA, :bucket], s.a, s.b, s.scale) if use_lora else None
+        lora = LoRABatch.from_slots(self.lora_op, r[_LORA, :bucket], s, self.group_lora_op) if use_lora else None
         model = self.compiled if self.compiled is not None and bucket > 1 else self.model
         return model(r[_IDS, :bucket], meta, self.kv_caches, r[_LOGITS, :bucket], lora)
 

@@ -8,12 +8,14 @@ q/k/v and gate/up are fused into single matrix products; their LoRA deltas land 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttnMetadata, paged_attention, write_kv
+from .constants import LORA_GROUPS
 from .lora_ops import LoRAOp
 from .model_config import ModelLoadError, ModelSpec
 from .rope import apply_rope, cos_sin, inv_frequencies
@@ -22,16 +24,43 @@ from .weights import iter_tensors
 
 @dataclass
 class LoRABatch:
-    """The adapter side of one forward: which slot each token uses and the slot stacks."""
+    """The adapter side of one forward: which slot each token uses and the slot stacks.
+
+    `groups` (optional): per LORA_GROUPS entry the fused stacks (A [L, S, in, nseg*R], B [L, S, R, out_total],
+    scale [L, S, nseg], segment start columns) that `group_op` reads in one call per group; without them,
+    or without a group op, each module's delta is applied on its column slice of the fused output."""
 
     op: LoRAOp
     slots: torch.Tensor  # [T] long, the zero slot for base-only tokens
     a: dict[str, torch.Tensor]  # module -> [L, S, in, R]
     b: dict[str, torch.Tensor]  # module -> [L, S, R, out]
     scale: dict[str, torch.Tensor]  # module -> [L, S]
+    group_op: Callable | None = None
+    groups: dict[str, tuple] | None = None
+
+    @classmethod
+    def from_slots(cls, op: LoRAOp, token_slots: torch.Tensor, slots, group_op: Callable | None = None) -> LoRABatch:
+        """From an AdapterSlots (its fused group stacks are used when it has them and a group op is given)."""
+        groups = None
+        if group_op is not None and getattr(slots, "group_a", None) is not None:
+            groups = {g: (slots.group_a[g], slots.group_b[g], slots.group_scale[g], slots.group_segments[g])
+                      for g in LORA_GROUPS}
+        return cls(op, token_slots, slots.a, slots.b, slots.scale, group_op if groups else None, groups)
 
     def add(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
         self.op(y, x, self.a[module][layer], self.b[module][layer], self.scale[module][layer], self.slots)
+
+    def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
+        """The deltas of every module of `group` on the fused output y (columns in module order)."""
+        if self.groups is not None:
+            a, b, scale, segments = self.groups[group]
+            self.group_op(y, x, a[layer], b[layer], scale[layer], self.slots, segments)
+            return
+        start = 0
+        for module in LORA_GROUPS[group]:
+            width = self.b[module].shape[-1]
+            self.add(layer, module, y[:, start : start + width], x)
+            start += width
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,6 +95,9 @@ class CausalLM(nn.Module):
             torch.empty(spec.vocab_size, spec.hidden_size, **e), requires_grad=False
         )
         self.register_buffer("inv_freq", inv_frequencies(spec.rope, spec.head_dim), persistent=False)
+        # The element-wise work between the matrix products (TorchOps; the model runner installs the
+        # fused Triton kernels, kernels.triton_fused.TritonOps, with attn_backend "triton").
+        self.ops = TorchOps
 
     # ---------------------------------------------------------------- loading
     def load_weights(self, model_dir: str) -> None:
@@ -107,39 +139,57 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [N] rows of the flat token list whose next-token logits are wanted
         lora: LoRABatch | None,
     ) -> torch.Tensor:  # [N, vocab] float32
-        spec = self.spec
-        qs, kvs = spec.q_size, spec.kv_size
+        spec, ops = self.spec, self.ops
+        qs, kvs, eps = spec.q_size, spec.kv_size, spec.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
         cos, sin = cos_sin(self.inv_freq, meta.positions, x.dtype)
         scale = spec.head_dim**-0.5
+        delta = None  # the previous sub-block's output, not yet added to the residual stream x
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, spec.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             if lora is not None:
-                lora.add(i, "q_proj", qkv[:, :qs], h)
-                lora.add(i, "k_proj", qkv[:, qs : qs + kvs], h)
-                lora.add(i, "v_proj", qkv[:, qs + kvs :], h)
-            q = apply_rope(qkv[:, :qs].view(-1, spec.num_heads, spec.head_dim), cos, sin)
-            k = apply_rope(qkv[:, qs : qs + kvs].view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
-            v = qkv[:, qs + kvs :].reshape(-1, spec.num_kv_heads, spec.head_dim)
+                lora.add_group(i, "qkv", qkv, h)
             k_cache, v_cache = kv_caches[i]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
+                                  spec.num_kv_heads)
             attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
             o = F.linear(attn, layer.o)
             if lora is not None:
-                lora.add(i, "o_proj", o, attn)
-            x = x + o
-            h = rms_norm(x, layer.post_norm, spec.rms_norm_eps)
+                lora.add_group(i, "o", o, attn)
+            x, h = ops.add_rms_norm(x, o, layer.post_norm, eps)
             gate_up = F.linear(h, layer.gate_up)
             if lora is not None:
-                inter = spec.intermediate_size
-                lora.add(i, "gate_proj", gate_up[:, :inter], h)
-                lora.add(i, "up_proj", gate_up[:, inter:], h)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            down = F.linear(act, layer.down)
+                lora.add_group(i, "gate_up", gate_up, h)
+            act = ops.silu_mul(gate_up)
+            delta = F.linear(act, layer.down)
             if lora is not None:
-                lora.add(i, "down_proj", down, act)
-            x = x + down
-        x = rms_norm(x[logits_indices], self.norm, spec.rms_norm_eps)
+                lora.add_group(i, "down", delta, act)
+        x = x[logits_indices] + delta[logits_indices]
+        x = rms_norm(x, self.norm, eps)
         return F.linear(x, self.lm_head).float()
+
+
+class TorchOps:
+    """The decoder layer's element-wise work in plain torch: the reference the fused kernels match."""
+
+    @staticmethod
+    def add_rms_norm(x, delta, weight, eps):
+        if delta is not None:
+            x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
+        d = k_cache.shape[-1]
+        qs, kvs = num_heads * d, num_kv_heads * d
+        q = apply_rope(qkv[:, :qs].view(-1, num_heads, d), cos, sin)
+        k = apply_rope(qkv[:, qs : qs + kvs].view(-1, num_kv_heads, d), cos, sin)
+        v = qkv[:, qs + kvs :].reshape(-1, num_kv_heads, d)
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

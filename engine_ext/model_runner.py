@@ -10,7 +10,7 @@ from .adapter_slots import AdapterSlots
 from .attention import get_attention_kernel
 from .batch import ForwardBatch, SeqWork, build_forward_batch
 from .config import EngineConfig
-from .lora_ops import get_lora_op
+from .lora_ops import get_group_lora_op, get_lora_op
 from .model import CausalLM, LoRABatch
 from .model_config import ModelSpec
 
@@ -51,6 +51,11 @@ class ModelRunner:
 
             install()
         self.lora_op = get_lora_op(config.lora_backend)
+        self.group_lora_op = get_group_lora_op(config.lora_backend)
+        if config.attn_backend == "triton":  # on a GPU: the layer's element-wise work as fused kernels too
+            from .kernels.triton_fused import TritonOps
+
+            self.model.ops = TritonOps
         self.attn_kernel = get_attention_kernel(config.attn_backend)
         self.graphs = self._decode_graphs() if config.cuda_graphs else None
         logger.info("model %s loaded on %s: %d KV blocks of %d tokens", spec.architecture, device,
@@ -65,7 +70,7 @@ class ModelRunner:
         batch.attn.kernel = self.attn_kernel
         lora = None
         if use_lora and batch.has_lora:
-            lora = LoRABatch(self.lora_op, batch.lora_slots, slots.a, slots.b, slots.scale)
+            lora = LoRABatch.from_slots(self.lora_op, batch.lora_slots, slots, self.group_lora_op)
         return self.model(batch.input_ids, batch.attn, self.kv_caches, batch.logits_indices, lora)
 
     def _decode_graphs(self):
@@ -78,4 +83,4 @@ class ModelRunner:
         width = -(-(max_len + lookahead + 1) // cfg.block_size)
         return DecodeGraphs(self.model, self.kv_caches, self.lora_op, self.attn_kernel, cfg.block_size, width,
                             scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device,
-                            compile_model=cfg.compile_graphs)
+                            compile_model=cfg.compile_graphs, group_lora_op=self.group_lora_op)

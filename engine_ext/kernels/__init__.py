@@ -24,7 +24,7 @@ def install() -> None:
     from ..attention import register_attention_backend
     from ..lora_ops import register_lora_backend
     from .triton_attention import paged_attention_triton
-    from .triton_lora import add_lora_triton
+    from .triton_lora import add_lora_group_triton, add_lora_triton
 
-    register_lora_backend("triton", add_lora_triton)
+    register_lora_backend("triton", add_lora_triton, add_lora_group_triton)
     register_attention_backend("triton", paged_attention_triton)

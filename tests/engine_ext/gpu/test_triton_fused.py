@@ -1,0 +1,145 @@
+"""The fused element-wise kernels and the fused-group LoRA op against their plain-torch references."""
+
+import pytest
+import torch
+
+from engine_ext.lora_ops import add_lora_reference
+from engine_ext.model import TorchOps
+from engine_ext.rope import cos_sin
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+DEV = "cuda"
+
+
+def _gen(seed):
+    return torch.Generator(DEV).manual_seed(seed)
+
+
+def _agree(out, ref, dtype):
+    """bf16: at least 99.9% of elements bit-identical and the rest within one rounding step;
+    fp32: within 1e-5 relative."""
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    same = (out == ref).float().mean().item()
+    assert same > 0.999, same
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,hidden", [(1, 2048), (32, 2048), (160, 4096), (7, 200)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm(dtype, tokens, hidden, with_delta):
+    from engine_ext.kernels.triton_fused import add_rms_norm
+
+    g = _gen(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
+    delta = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype) if with_delta else None
+    w = (1 + 0.1 * torch.randn(hidden, generator=g, device=DEV)).to(dtype)
+    ref_x, ref_h = TorchOps.add_rms_norm(x.clone(), delta, w, 1e-5)
+    out_x, out_h = add_rms_norm(x.clone(), delta, w, 1e-5)
+    assert torch.equal(out_x, ref_x)  # one rounded add: exact
+    _agree(out_h, ref_h, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (14, 2, 64), (8, 8, 128), (4, 2, 16)])
+def test_rope_write_kv(dtype, heads, kv_heads, head_dim):
+    from engine_ext.kernels.triton_fused import rope_write_kv
+
+    g = _gen(heads * head_dim)
+    tokens, blocks, page = 37, 40, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g, device=DEV).to(dtype)
+    positions = torch.randint(0, 4000, (tokens,), generator=g, device=DEV)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    cos, sin = cos_sin(inv_freq, positions, dtype)
+    slots = torch.randperm(blocks * page, generator=g, device=DEV)[:tokens]
+    caches = [torch.randn(blocks, page, kv_heads, head_dim, generator=g, device=DEV).to(dtype) for _ in range(2)]
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    out_k, out_v = caches[0].clone(), caches[1].clone()
+    ref_q = TorchOps.rope_write_kv(qkv.clone(), cos, sin, ref_k, ref_v, slots, heads, kv_heads)
+    fused = qkv.clone()
+    out_q = rope_write_kv(fused, cos, sin, out_k, out_v, slots, heads, kv_heads)
+    _agree(out_q, ref_q, dtype)
+    _agree(out_k, ref_k, dtype)
+    assert torch.equal(out_v, ref_v)
+    assert torch.equal(fused[:, heads * head_dim :], qkv[:, heads * head_dim :])  # k/v columns untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,inter", [(1, 8192), (32, 8192), (160, 14336), (5, 100)])
+def test_silu_mul(dtype, tokens, inter):
+    from engine_ext.kernels.triton_fused import silu_mul
+
+    gate_up = (3 * torch.randn(tokens, 2 * inter, generator=_gen(inter), device=DEV)).to(dtype)
+    _agree(silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
+
+
+# ---------------------------------------------------------------- the fused-group LoRA op
+def _group(tokens, fan_in, outs, rank, num_slots, dtype, g, runs):
+    nseg, total = len(outs), sum(outs)
+    a = (torch.randn(num_slots, fan_in, nseg * rank, generator=g, device=DEV) * fan_in**-0.5).to(dtype)
+    b = torch.randn(num_slots, rank, total, generator=g, device=DEV).to(dtype)
+    for s in range(1, num_slots, 2):  # heterogeneous ranks, zero-padded up to R
+        for seg in range(nseg):
+            a[s, :, seg * rank + rank // 2 : (seg + 1) * rank] = 0
+        b[s, rank // 2 :] = 0
+    a[-1].zero_(), b[-1].zero_()
+    scale = torch.rand(num_slots, nseg, generator=g, device=DEV) * 2
+    scale[-1] = 0
+    x = torch.randn(tokens, fan_in, generator=g, device=DEV).to(dtype)
+    if runs:  # verify layout: every sequence's k+1 tokens on one slot
+        idx = torch.randint(0, num_slots, (tokens // 5 + 1,), generator=g, device=DEV).repeat_interleave(5)[:tokens]
+    else:
+        idx = torch.randint(0, num_slots, (tokens,), generator=g, device=DEV)
+    segments = tuple(int(sum(outs[:i])) for i in range(nseg))
+    return x, a, b, scale, idx.contiguous(), segments
+
+
+def _group_reference(y0, x, a, b, scale, idx, segments, rank):
+    ref = y0.float().clone()
+    ends = list(segments[1:]) + [y0.shape[1]]
+    for seg, (start, end) in enumerate(zip(segments, ends)):
+        add_lora_reference(ref[:, start:end], x.float(), a[:, :, seg * rank : (seg + 1) * rank].float(),
+                           b[:, :, start:end].float(), scale[:, seg].contiguous(), idx)
+    return ref
+
+
+@pytest.mark.parametrize("mode", ["split", "fused"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,fan_in,outs,rank,runs", [
+    (32, 2048, (2048, 512, 512), 16, False),  # 1B q/k/v at decode
+    (160, 2048, (2048, 512, 512), 64, True),  # 1B q/k/v at a k=4 verify pass
+    (32, 2048, (8192, 8192), 64, False),  # 1B gate/up
+    (17, 8192, (2048,), 16, True),  # 1B down, one module
+    (9, 96, (48, 24, 24), 8, False),  # segment starts that fit no 16-column tile: per-module fallback
+])
+def test_group_op_matches_the_per_module_reference(mode, dtype, tokens, fan_in, outs, rank, runs, monkeypatch):
+    from engine_ext.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "GROUP_KERNEL", mode)
+    g = _gen(tokens * rank + fan_in)
+    x, a, b, scale, idx, segments = _group(tokens, fan_in, outs, rank, 9, dtype, g, runs)
+    y0 = torch.randn(tokens, sum(outs), generator=g, device=DEV).to(dtype)
+    ref = _group_reference(y0, x, a, b, scale, idx, segments, rank)
+    out = y0.clone()
+    triton_lora.add_lora_group_triton(out, x, a, b, scale, idx, segments)
+    diff, denom = (out.double() - ref.double()), (ref.double() - y0.double())
+    assert (diff.norm() / denom.norm()).item() < 1e-2
+    base = idx == 8
+    assert torch.equal(out[base], y0[base])  # the zero slot's tokens are not touched
+
+
+def test_group_op_is_registered_with_the_triton_backend():
+    from engine_ext.kernels import install
+    from engine_ext.kernels.triton_lora import add_lora_group_triton
+    from engine_ext.lora_ops import get_group_lora_op
+
+    install()
+    assert get_group_lora_op("triton") is add_lora_group_triton
+    assert get_group_lora_op("torch") is None
