@@ -7,8 +7,8 @@ q/k/v and gate/up are fused into single matrix products; their LoRA deltas land 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,24 @@ class LoRABatch:
 
     def add(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
         self.op(y, x, self.a[module][layer], self.b[module][layer], self.scale[module][layer], self.slots)
+
+    # Arguments of the fused kernels (kernels/triton_fused.py) for one layer's groups.
+    def shrink_args(self, layer: int, group: str) -> tuple:
+        return self.groups[group][0][layer], self.slots
+
+    def expand_args(self, layer: int, group: str, part: torch.Tensor) -> tuple:
+        _, b, scale, _ = self.groups[group]
+        return part, b[layer], scale[layer], self.slots
+
+    def silu_args(self, layer: int, part: torch.Tensor) -> tuple:
+        _, b, scale, _ = self.groups["gate_up"]
+        return part, b[layer], scale[layer], self.groups["down"][0][layer], self.slots
+
+    def expand_down(self, layer: int, y: torch.Tensor, part: torch.Tensor) -> None:
+        from .kernels.triton_lora import lora_expand
+
+        _, b, scale, _ = self.groups["down"]
+        lora_expand(y, part, b[layer], scale[layer], self.slots, b.shape[1] - 1)
 
     def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """The deltas of every module of `group` on the fused output y (columns in module order)."""
@@ -140,30 +158,37 @@ class CausalLM(nn.Module):
         lora: LoRABatch | None,
     ) -> torch.Tensor:  # [N, vocab] float32
         spec, ops = self.spec, self.ops
-        qs, kvs, eps = spec.q_size, spec.kv_size, spec.rms_norm_eps
+        qs, eps = spec.q_size, spec.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
         cos, sin = cos_sin(self.inv_freq, meta.positions, x.dtype)
         scale = spec.head_dim**-0.5
         delta = None  # the previous sub-block's output, not yet added to the residual stream x
+        # With fused kernels (ops.fuses_lora) and the slots' group stacks, the q/k/v and gate/up shrinks ride
+        # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel.
+        fuse = lora is not None and lora.groups is not None and getattr(ops, "fuses_lora", False)
         for i, layer in enumerate(self.layers):
-            x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
+            shrink = lora.shrink_args(i, "qkv") if fuse else None
+            x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            if lora is not None:
+            if lora is not None and not fuse:
                 lora.add_group(i, "qkv", qkv, h)
             k_cache, v_cache = kv_caches[i]
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
-                                  spec.num_kv_heads)
+                                  spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None)
             attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
             o = F.linear(attn, layer.o)
             if lora is not None:
                 lora.add_group(i, "o", o, attn)
-            x, h = ops.add_rms_norm(x, o, layer.post_norm, eps)
+            shrink = lora.shrink_args(i, "gate_up") if fuse else None
+            x, h, part = ops.add_rms_norm(x, o, layer.post_norm, eps, shrink)
             gate_up = F.linear(h, layer.gate_up)
-            if lora is not None:
+            if lora is not None and not fuse:
                 lora.add_group(i, "gate_up", gate_up, h)
-            act = ops.silu_mul(gate_up)
+            act, part = ops.silu_mul(gate_up, lora.silu_args(i, part) if fuse else None)
             delta = F.linear(act, layer.down)
-            if lora is not None:
+            if fuse:
+                lora.expand_down(i, delta, part)
+            elif lora is not None:
                 lora.add_group(i, "down", delta, act)
         x = x[logits_indices] + delta[logits_indices]
         x = rms_norm(x, self.norm, eps)
@@ -171,16 +196,19 @@ class CausalLM(nn.Module):
 
 
 class TorchOps:
-    """The decoder layer's element-wise work in plain torch: the reference the fused kernels match."""
+    """The decoder layer's element-wise work in plain torch: the reference the fused kernels match.
+    (It fuses no LoRA math: the model applies every group's delta with the LoRA op.)"""
+
+    fuses_lora = False
 
     @staticmethod
-    def add_rms_norm(x, delta, weight, eps):
+    def add_rms_norm(x, delta, weight, eps, lora=None):
         if delta is not None:
             x = x + delta
-        return x, rms_norm(x, weight, eps)
+        return x, rms_norm(x, weight, eps), None
 
     @staticmethod
-    def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads):
+    def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None):
         d = k_cache.shape[-1]
         qs, kvs = num_heads * d, num_kv_heads * d
         q = apply_rope(qkv[:, :qs].view(-1, num_heads, d), cos, sin)
@@ -190,6 +218,6 @@ class TorchOps:
         return q
 
     @staticmethod
-    def silu_mul(gate_up):
+    def silu_mul(gate_up, lora=None):
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate) * up, None

@@ -22,12 +22,13 @@ from ..attention import AttnMetadata
 
 
 @triton.jit
-def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, token_seq_ptr, positions_ptr, T, scale, window,
-                       stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, positions_ptr, T, scale,
+                       window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
     prev = tl.load(token_seq_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)
     if (seq != prev) | (t % BLOCK_Q == 0):  # t leads the run of its sequence's query tokens in this block
@@ -52,7 +53,14 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, token_seq_ptr, 
         if window > 0:
             lo = tl.maximum(tl.min(pos, axis=0) - window + 1, 0)
             lo = (lo // BLOCK_N) * BLOCK_N
-        for start in range(lo, hi + 1, BLOCK_N):
+        # Split-KV: this program takes its share of the key blocks; the partial (max, sum, unnormalised
+        # output) of every split is merged by _combine_kernel.
+        num_blocks = tl.cdiv(hi + 1 - lo, BLOCK_N)
+        per_split = tl.cdiv(num_blocks, SPLITS)
+        first = split * per_split
+        last = tl.minimum(num_blocks, first + per_split)
+        for blk in range(first, last):
+            start = lo + blk * BLOCK_N
             offs_n = start + tl.arange(0, BLOCK_N)
             in_seq = offs_n <= hi
             page = tl.load(tables_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
@@ -77,9 +85,32 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, token_seq_ptr, 
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=valid_row[:, None])
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=valid_row[:, None])
+        else:  # partials, row (token, head, split): out_ptr is fp32 [T, H, SPLITS, D], ml_ptr [T, H, SPLITS, 2]
+            row = (tok.to(tl.int64) * (stride_ot // (SPLITS * HEAD_DIM)) + head) * SPLITS + split
+            tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=valid_row[:, None])
+            tl.store(ml_ptr + row * 2, m_i, mask=valid_row)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=valid_row)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, out_ptr, H, stride_ot, stride_oh,
+                    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (t * H + h) * SPLITS + offs_s
+    m = tl.load(ml_ptr + row * 2)
+    l = tl.load(ml_ptr + row * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # an empty split weighs nothing
+    acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_triton(
@@ -98,14 +129,34 @@ def paged_attention_triton(
     if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or q.stride(2) != 1:
         raise ValueError("paged_attention_triton needs contiguous head_dim and identically laid out K/V caches")
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     tables = meta.block_tables
-    if num_tokens:
-        group_pad = triton.next_power_of_2(group)
-        _paged_attn_kernel[(num_tokens, kv_heads)](
-            q, k_cache, v_cache, out, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-            out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(8, 16 // group_pad), HEAD_DIM=head_dim, PAGE=page,
-            BLOCK_N=64, IEEE=q.dtype == torch.float32, num_warps=4)
+    if not num_tokens:
+        return out
+    group_pad = triton.next_power_of_2(group)
+    splits = kv_splits(num_tokens, kv_heads)
+    if splits == 1:
+        part, ml, strides = out, out, (out.stride(0), out.stride(1))
+    else:
+        part = torch.empty(num_tokens, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(num_tokens, heads, splits, 2, dtype=torch.float32, device=q.device)
+        strides = (part.stride(0), part.stride(1))
+    _paged_attn_kernel[(num_tokens, kv_heads, splits)](
+        q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(8, 16 // group_pad), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=64, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
+    if splits > 1:
+        _combine_kernel[(num_tokens, heads)](part, ml, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
+                                             HEAD_DIM=head_dim, num_warps=1)
     return out
+
+
+# Split-KV ("flash decoding"): at decode batch sizes one program per (token, KV head) leaves most of the
+# chip idle while it walks the context; splitting every context into SPLITS shares (sized at run time
+# from the context length, so one CUDA graph serves every length) keeps ~1-2 waves of programs busy.
+MAX_SPLITS = 8
+
+
+def kv_splits(num_tokens: int, kv_heads: int) -> int:
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(max(1, 4096 // (num_tokens * kv_heads)))))

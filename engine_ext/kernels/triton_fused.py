@@ -1,16 +1,26 @@
-"""Fused element-wise work of the decoder layer in Triton: the kernels between the matrix products.
+"""Fused element-wise work of the decoder layer in Triton: the kernels between the matrix products,
+with the batched LoRA math folded in where a kernel already holds the tensor it needs.
 
 At small batches a decode step is bound by the number of kernels, not by bytes: the plain-torch
 layer (model.TorchOps) runs about 36 small kernels per layer for the norms, the rotary embedding,
-the KV-cache write, SiLU and the residual adds. These three kernels do the same work in four
-launches per layer, rounding where torch rounds (each bf16 operation's result is rounded to bf16
-before the next one reads it), so their outputs match the torch ops bit for bit up to the last
-bit of an fp32 transcendental:
+the KV-cache write, SiLU and the residual adds, and a separate shrink and expand launch per LoRA
+module. These kernels do the same work in four launches per layer (plus three for the o and down
+LoRA deltas), rounding where torch rounds (each bf16 operation's result is rounded to bf16 before the
+next one reads it):
 
-- add_rms_norm:  x = x + delta (rounded), h = weight * rms_norm(x)   one program per token
-- rope_write_kv: rotate q in place in the fused qkv output, rotate k, write k and v into the
-                 paged cache at each token's slot                      one program per (token, head)
-- silu_mul:      act = silu(gate) * up from the fused gate/up output  one program per (token, column block)
+- add_rms_norm:  x = x + delta (rounded), h = weight * rms_norm(x); with `lora`, also the shrink
+                 h @ A[slot] of the group that reads h (q/k/v or gate/up), split over K
+                                                     grid (tokens, K chunks)
+- rope_write_kv: with `lora`, add the q/k/v expand (part @ B[slot] * scale) to its head's columns;
+                 rotate q in place in the fused qkv output, rotate k, write k and v into the paged
+                 cache at each token's slot          grid (tokens, heads)
+- silu_mul:      with `lora`, add the gate/up expand; act = silu(gate) * up; with `lora`, also the
+                 down shrink act @ A_down[slot], split over column blocks   grid (tokens, column blocks)
+
+LoRA arguments are (A [S, in, nseg*R], B [S, R, out_total], scale [S, nseg], token slots [T]) for
+one layer's group, as AdapterSlots' group views give them; the last slot is the zero slot, whose
+tokens skip the LoRA math. Partial shrink results are fp32 [splits, T, nseg*R], summed by the
+expand that reads them (lora_expand's layout).
 """
 
 from __future__ import annotations
@@ -19,52 +29,129 @@ import torch
 import triton
 import triton.language as tl
 
+_NORM_CHUNK = 256  # K chunk of one add_rms_norm program (its share of the row and of the shrink)
+_SILU_BLOCK = 1024  # columns of one silu_mul program
+
+
+def _rank_block(r: int) -> int:
+    return triton.next_power_of_2(max(r, 1))
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x, stride_d, stride_r, stride_o,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                         a_ptr, slots_ptr, part_ptr, RT, skip_slot, stride_as, stride_ak, stride_ps, stride_pt,
+                         HAS_DELTA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                         BK: tl.constexpr, BLOCK_R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    dt = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     m = offs < N
+    # rstd over the whole row (every split recomputes it; the row is a few KB)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + row * stride_r + offs, x, mask=m)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
     xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / N
-    normed = (xf * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    slot = 0
+    do_lora = False
+    if LORA:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        do_lora = slot != skip_slot
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for kk in range(0, CHUNK, BK):
+        cols = split * CHUNK + kk + tl.arange(0, BK)
+        mc = cols < N
+        xc = tl.load(x_ptr + row * stride_x + cols, mask=mc, other=0.0)
+        if HAS_DELTA:
+            dc = tl.load(d_ptr + row * stride_d + cols, mask=mc, other=0.0)
+            xc = (xc.to(tl.float32) + dc.to(tl.float32)).to(dt)
+            tl.store(res_ptr + row * stride_r + cols, xc, mask=mc)
+        wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
+        h = (wc * (xc.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * stride_o + cols, h, mask=mc)
+        if do_lora:
+            av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
+                         mask=mc[:, None] & (offs_r[None, :] < RT), other=0.0)
+            acc += tl.sum(h.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
+    if do_lora:
+        tl.store(part_ptr + split * stride_ps + row * stride_pt + offs_r, acc, mask=offs_r < RT)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, weight * rms_norm(x + delta)); with delta None, (x, weight * rms_norm(x)).
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, lora=None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x + delta, weight * rms_norm(x + delta), LoRA shrink partials or None); with delta None, x itself.
 
-    The sum is written in place into x (callers own x: it is the residual stream)."""
+    `lora`: (A [S, N, RT], slots [T]): also part[s, t] = h[t, chunk s] @ A[slot[t], chunk s]."""
     num_tokens, n = x.shape
     out = torch.empty_like(x)
+    res = torch.empty_like(x) if delta is not None else x
+    block = triton.next_power_of_2(n)
+    splits = triton.cdiv(n, _NORM_CHUNK) if lora is not None else 1
+    chunk = _NORM_CHUNK if lora is not None else block
+    part = None
+    if lora is not None:
+        a, slots = lora
+        rt = a.shape[2]
+        block_r = _rank_block(rt)
+        part = torch.empty(splits, num_tokens, rt, dtype=torch.float32, device=x.device)
+        bk = max(16, min(chunk, 8192 // block_r))
+        lora_args = (a, slots, part, rt, a.shape[0] - 1, a.stride(0), a.stride(1), part.stride(0), part.stride(1))
+    else:
+        block_r, bk = 1, min(chunk, 2048)
+        lora_args = (x, x, x, 0, 0, 0, 0, 0, 0)
     if num_tokens:
-        block = triton.next_power_of_2(n)
-        _add_rms_norm_kernel[(num_tokens,)](
-            x, delta if delta is not None else x, weight, x, out, n, eps, x.stride(0),
-            delta.stride(0) if delta is not None else 0, x.stride(0), out.stride(0),
-            HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-    return x, out
+        _add_rms_norm_kernel[(num_tokens, splits)](
+            x, delta if delta is not None else x, weight, res, out, n, eps, x.stride(0),
+            delta.stride(0) if delta is not None else 0, res.stride(0), out.stride(0), *lora_args,
+            HAS_DELTA=delta is not None, LORA=lora is not None, BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r,
+            num_warps=4 if lora is not None else min(16, max(1, block // 256)))
+    return res, out, part
+
+
+@triton.jit
+def _expand_row(part_ptr, b_ptr, scale_ptr, slot, t, seg, R, col0, col_end, num_splits, stride_ps, stride_pt,
+                stride_bs, stride_br, stride_ss, NCOL: tl.constexpr, BLOCK_R: tl.constexpr, dt: tl.constexpr):
+    """delta[c] = (sum_s part[s, t, seg*R:(seg+1)*R] * scale[slot, seg]) @ B[slot, :, col0 + c], for
+    c < NCOL and col0 + c < col_end (fp32; zero beyond col_end)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    mr = offs_r < R
+    s = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for sp in range(0, num_splits):
+        s += tl.load(part_ptr + sp * stride_ps + t * stride_pt + seg * R + offs_r, mask=mr, other=0.0)
+    s = (s * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32)).to(dt).to(tl.float32)
+    offs_c = col0 + tl.arange(0, NCOL)
+    bv = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_c[None, :],
+                 mask=mr[:, None] & (offs_c[None, :] < col_end), other=0.0)
+    return tl.sum(s[:, None] * bv.to(tl.float32), axis=0)
 
 
 @triton.jit
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num_heads, num_kv_heads,
                           stride_t, stride_c, stride_s, stride_kb, stride_ks, stride_kh,
-                          PAGE: tl.constexpr, HALF: tl.constexpr):
+                          part_ptr, b_ptr, scale_ptr, lslots_ptr, R, num_splits, skip_slot,
+                          stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
+                          PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF)
     src = qkv_ptr + t * stride_t + h * (2 * HALF)
+    dt = qkv_ptr.dtype.element_ty
     x1 = tl.load(src + offs)
     x2 = tl.load(src + HALF + offs)
-    dt = qkv_ptr.dtype.element_ty
+    if LORA:
+        lslot = tl.load(lslots_ptr + t).to(tl.int64)
+        if lslot != skip_slot:
+            seg = (h >= num_heads).to(tl.int32) + (h >= num_heads + num_kv_heads).to(tl.int32)
+            col = h * (2 * HALF)
+            d1 = _expand_row(part_ptr, b_ptr, scale_ptr, lslot, t, seg, R, col, col + HALF, num_splits, stride_ps,
+                             stride_pt, stride_bs, stride_br, stride_ss, HALF, BLOCK_R, dt)
+            d2 = _expand_row(part_ptr, b_ptr, scale_ptr, lslot, t, seg, R, col + HALF, col + 2 * HALF, num_splits,
+                             stride_ps, stride_pt, stride_bs, stride_br, stride_ss, HALF, BLOCK_R, dt)
+            x1 = (x1.to(tl.float32) + d1).to(dt)
+            x2 = (x2.to(tl.float32) + d2).to(dt)
     if h < num_heads + num_kv_heads:
         # torch: x * cos + cat(-x2, x1) * sin, every product and the sum rounded to the model dtype
         c1 = tl.load(cos_ptr + t * stride_c + offs).to(tl.float32)
@@ -91,52 +178,113 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  lora=None) -> torch.Tensor:
     """Rotate q and k of the fused [T, (H + 2 KVH) * D] qkv output, write k and v into the paged cache at
-    `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place)."""
+    `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place).
+
+    `lora`: (part [splits, T, 3R] from add_rms_norm, B [S, R, qkv width], scale [S, 3], slots [T]): the
+    q/k/v LoRA deltas are added first (to the q columns of qkv too)."""
     num_tokens, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1 or k_cache.stride(3) != 1:
         raise ValueError("rope_write_kv needs unit stride along the feature dimension")
     if head_dim & (head_dim - 1) or k_cache.stride() != v_cache.stride():
         raise ValueError("rope_write_kv needs a power-of-two head_dim and identically laid out K/V caches")
+    if lora is not None:
+        part, b, scale, lslots = lora
+        rank = b.shape[1]
+        lora_args = (part, b, scale, lslots, rank, part.shape[0], b.shape[0] - 1, part.stride(0), part.stride(1),
+                     b.stride(0), b.stride(1), scale.stride(0))
+        block_r = _rank_block(rank)
+    else:
+        lora_args, block_r = (qkv, qkv, qkv, qkv, 0, 0, 0, 0, 0, 0, 0, 0), 1
     if num_tokens:
         _rope_write_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            PAGE=k_cache.shape[1], HALF=head_dim // 2, num_warps=1)
+            *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
+            num_warps=1 if lora is None else 2)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
+                     part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, R, num_splits, R2, skip_slot,
+                     stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
+                     stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_R2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < N
-    g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0).to(tl.float32)
+    nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * u).to(dt), mask=m)
+    slot = 0
+    do_lora = False
+    if LORA:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        do_lora = slot != skip_slot
+    offs_r2 = tl.arange(0, BLOCK_R2)
+    dacc = tl.zeros([BLOCK_R2], dtype=tl.float32)
+    for c0 in range(0, BLOCK, SB):
+        cols = nb * BLOCK + c0 + tl.arange(0, SB)
+        m = cols < N
+        g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
+        u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0)
+        if do_lora:
+            dg = _expand_row(part_ptr, b_ptr, scale_ptr, slot, row, 0, R, nb * BLOCK + c0, N, num_splits,
+                             stride_ps, stride_pt, stride_bs, stride_br, stride_ss, SB, BLOCK_R, dt)
+            du = _expand_row(part_ptr, b_ptr, scale_ptr, slot, row, 1, R, N + nb * BLOCK + c0, 2 * N, num_splits,
+                             stride_ps, stride_pt, stride_bs, stride_br, stride_ss, SB, BLOCK_R, dt)
+            g = (g.to(tl.float32) + dg).to(dt)
+            u = (u.to(tl.float32) + du).to(dt)
+        gf = g.to(tl.float32)
+        act = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * stride_o + cols, act, mask=m)
+        if do_lora:
+            av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],
+                         mask=m[:, None] & (offs_r2[None, :] < R2), other=0.0)
+            dacc += tl.sum(act.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
+    if do_lora:
+        tl.store(dpart_ptr + nb * stride_ds + row * stride_dt + offs_r2, dacc, mask=offs_r2 < R2)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate_up[:, :N]) * gate_up[:, N:]   -> [T, N]."""
+def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(silu(gate_up[:, :N]) * gate_up[:, N:]  [T, N], down-shrink partials or None).
+
+    `lora`: (part [splits, T, 2R] from add_rms_norm, B_gate_up [S, R, 2N], scale [S, 2], A_down [S, N, R2],
+    slots [T]): the gate/up deltas are added before the activation, and part_down[c, t] = act[t, block c]
+    @ A_down[slot[t], block c] is returned for lora_expand."""
     num_tokens, width = gate_up.shape
     n = width // 2
     if gate_up.stride(1) != 1:
         raise ValueError("silu_mul needs unit stride along the feature dimension")
     out = torch.empty(num_tokens, n, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(n))
+    block = min(_SILU_BLOCK, triton.next_power_of_2(n))
+    nblocks = triton.cdiv(n, block)
+    dpart = None
+    if lora is not None:
+        part, b, scale, a_down, slots = lora
+        rank, r2 = b.shape[1], a_down.shape[2]
+        block_r, block_r2 = _rank_block(rank), _rank_block(r2)
+        sb = max(16, min(block, 8192 // max(block_r, block_r2)))
+        dpart = torch.empty(nblocks, num_tokens, r2, dtype=torch.float32, device=gate_up.device)
+        lora_args = (part, b, scale, slots, a_down, dpart, rank, part.shape[0], r2, b.shape[0] - 1,
+                     part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), a_down.stride(0),
+                     a_down.stride(1), dpart.stride(0), dpart.stride(1))
+    else:
+        block_r = block_r2 = 1
+        sb = block
+        lora_args = (gate_up,) * 6 + (0,) * 13
     if num_tokens:
-        _silu_mul_kernel[(num_tokens, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0),
-                                                             BLOCK=block, num_warps=4)
-    return out
+        _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
+                                                BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
+                                                BLOCK_R2=block_r2, num_warps=4)
+    return out, dpart
 
 
 class TritonOps:
-    """model.TorchOps' contract, in the fused kernels above."""
+    """model.TorchOps' contract, in the fused kernels above; `fuses_lora`: the model passes LoRA arguments."""
 
+    fuses_lora = True
     add_rms_norm = staticmethod(add_rms_norm)
     rope_write_kv = staticmethod(rope_write_kv)
     silu_mul = staticmethod(silu_mul)
