@@ -124,40 +124,99 @@ def forward_point(engine, names: list[str | None], tokens_per_seq: int, use_lora
     return {"step_ms": step_ms, "step_ms_p99": step_p99, "gpu_ms": gpu_ms, "bucket": bucket}
 
 
-def cold_load(engine, workdir: str, shape: str, rank: int) -> dict:
-    """A cold adapter's copy from pinned host memory into a device slot, against one plain
-    host-to-device copy of the same bytes (the floor for that load)."""
-    path = os.path.join(workdir, f"{shape}-r{rank}")
-    weights = engine.adapters.add("cold", path)  # parsed and pinned on the host
-    slots = engine.adapters.slots
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    slots.activate(weights, busy=set())
-    torch.cuda.synchronize()
-    load_ms = (time.perf_counter() - t0) * 1e3
+def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, batch: int = 32, steps: int = 96,
+              every: int = 4) -> dict:
+    """Issue 7, point 4: a cold adapter's load from pinned host memory, and what it costs running requests.
+
+    (i) load: `try_activate` (packed buffer -> slot, on the side stream) until its copy has landed, polled
+    as the scheduler polls, against one pinned host-to-device copy of the adapter's real bytes
+    (2 * rank * layers * sum(in + out)); medians of `repeats`, on an idle GPU.
+    (ii) inter-token latency: `batch` requests decoding on warm adapters through LLMEngine.step() (plain
+    multi-LoRA); every `every`-th step a cold load is issued just before the step, where the scheduler
+    issues it. Steps with a copy in flight against the steps with none."""
+    spec, adapters, slots = engine.spec, engine.adapters, engine.adapters.slots
+    real_bytes = 2 * rank * spec.num_layers * sum(i + o for i, o in spec.module_shapes().values())
+    packed = adapters.add("cold", os.path.join(workdir, f"{shape}-r{rank}"))  # parsed, packed and pinned
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    issue_ms, load_ms = [], []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        slots.deactivate("cold")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        adapters.try_activate("cold", set())
+        t1 = time.perf_counter()
+        while not adapters.ready("cold"):
+            pass
+        t2 = time.perf_counter()
+        issue_ms.append((t1 - t0) * 1e3)
+        load_ms.append((t2 - t0) * 1e3)
     slots.deactivate("cold")
-    t0 = time.perf_counter()
-    slots.activate(weights, busy=set())
-    torch.cuda.synchronize()
-    load2_ms = (time.perf_counter() - t0) * 1e3
+    host = torch.empty(real_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(real_bytes, dtype=torch.uint8, device="cuda")
+    copy_ms = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        copy_ms.append((time.perf_counter() - t0) * 1e3)
+    del host, dev
+    load, copy = pct(load_ms[1:], 0.5), pct(copy_ms[1:], 0.5)
+    out = {"adapter_bytes": real_bytes, "packed_bytes": packed.nbytes, "load_repeats": repeats,
+           "h2d_copy_ms": copy, "load_ms": load, "load_issue_ms": pct(issue_ms[1:], 0.5),
+           "load_over_h2d": load / copy}
+
+    # (ii) batch of warm-adapter decodes, a cold load issued before every `every`-th step
+    warm = [f"a{i}" for i in range(min(batch, slots.max_loras - 1))]  # one slot left for the cold adapter
+    names = [warm[i % len(warm)] for i in range(batch)]
+    saved, engine.speculator = engine.speculator, None
+    activate(engine, warm)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
+    ids = [engine.add_request(prompt_token_ids=torch.randint(10, spec.vocab_size, (64,), generator=g).tolist(),
+                              sampling_params=params, adapter_name=n) for n in names]
+    for _ in range(8):  # prefill, graph capture, warm-up
+        engine.step()
+    quiet, loading, landed_in_step = [], [], 0
+    for k in range(steps):
+        if adapters.slots.slot_of("cold") is not None:  # free the slot again, outside the timed steps
+            slots.synchronize()
+            slots.deactivate("cold")
+            torch.cuda.synchronize()
+        cold = k % every == every - 1
+        t0 = time.perf_counter()
+        if cold:
+            adapters.try_activate("cold", set(names))
+        engine.step()
+        torch.cuda.synchronize()
+        (loading if cold else quiet).append((time.perf_counter() - t0) * 1e3)
+        landed_in_step += cold and adapters.ready("cold")
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests:
+        engine.step()
+    engine.speculator = saved
+    slots.synchronize()
     slots.deactivate("cold")
-    flat = torch.empty(weights.nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(flat, device="cuda")
-    dev.copy_(flat, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    dev.copy_(flat, non_blocking=True)
-    torch.cuda.synchronize()
-    copy_ms = (time.perf_counter() - t0) * 1e3
-    engine.adapters.remove("cold")
-    return {"adapter_bytes": weights.nbytes, "slot_load_ms_first": load_ms, "slot_load_ms": load2_ms,
-            "h2d_copy_ms": copy_ms, "ratio": load2_ms / copy_ms}
+    adapters.remove("cold")
+    out |= {"itl_batch": batch, "itl_warm_adapters": len(warm), "itl_steps_quiet": len(quiet),
+            "itl_steps_loading": len(loading), "itl_loads_landed_within_their_step": landed_in_step,
+            "itl_ms_p50_quiet": pct(quiet, 0.5), "itl_ms_max_quiet": max(quiet),
+            "itl_ms_p50_loading": pct(loading, 0.5), "itl_ms_max_loading": max(loading),
+            "itl_rise_p50": pct(loading, 0.5) / pct(quiet, 0.5) - 1,
+            "itl_rise_max": max(loading) / max(quiet) - 1}
+    return out
 
 
 def activate(engine, names: list[str]) -> None:
     for n in names:
         if not engine.adapters.try_activate(n, set(names)):
             raise RuntimeError(f"could not make {n} resident")
+    engine.adapters.slots.synchronize()  # copies run on a side stream: landed before any forward reads them
 
 
 def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int,

@@ -1,6 +1,7 @@
 """Which adapters the engine knows, which are parsed in host memory (LRU, `max_cpu_loras`) and which
-sit in device slots. Parsing from disk happens off the step loop; the step loop only copies one
-adapter into a slot per step, so a cold adapter never stalls other requests longer than that copy."""
+sit in device slots. Parsing from disk happens off the step loop, and each adapter is packed there once
+into a (pinned) host buffer laid out like a slot; the step loop only issues the copy of that buffer,
+which on a GPU runs beside the steps on a side stream, so a cold adapter does not stall other requests."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapter_slots import AdapterSlots
-from .lora_adapter import AdapterError, LoRAWeights, load_lora_adapter
+from .adapter_slots import AdapterSlots, PackedAdapter, pack_adapter
+from .lora_adapter import AdapterError, load_lora_adapter
 from .model_config import ModelSpec
 
 
@@ -35,14 +36,14 @@ class AdapterManager:
         self.paths: dict[str, str] = {}
         self.pinned: set[str] = set()
         self.counters: dict[str, AdapterCounters] = {}
-        self._host: OrderedDict[str, LoRAWeights] = OrderedDict()
+        self._host: OrderedDict[str, PackedAdapter] = OrderedDict()
         self._loading: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
         self.removals = 0  # bumps on every remove(), so the engine knows when to look for orphans
 
     # ------------------------------------------------------------ registration (any thread)
-    def add(self, name: str, path: str, pinned: bool = False) -> LoRAWeights:
+    def add(self, name: str, path: str, pinned: bool = False) -> PackedAdapter:
         if not name or not isinstance(name, str):
             raise AdapterError(str(name), "adapter name must be a non-empty string")
         if self.paths.get(name) == path:
@@ -51,14 +52,14 @@ class AdapterManager:
             # A name maps to one set of weights for its whole life (device slots are keyed by name):
             # a new version needs a new name, or remove() and wait until the old one has left its slot.
             raise AdapterError(name, "an adapter of this name is already loaded; use a new name for new weights")
-        weights = self._parse(name, path)
+        packed = self._parse(name, path)
         with self._lock:
             self.paths[name] = path
             self.counters.setdefault(name, AdapterCounters())
             if pinned:
                 self.pinned.add(name)
-            self._put_host(weights)
-        return weights
+            self._put_host(packed)
+        return packed
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -70,20 +71,15 @@ class AdapterManager:
     def known(self, name: str) -> bool:
         return name in self.paths
 
-    def _parse(self, name: str, path: str) -> LoRAWeights:
-        w = load_lora_adapter(name, path, self.spec, self.max_rank, self.model_dir)
-        pin = self.device.type == "cuda"
-        for d in (w.a, w.b):
-            for k, t in d.items():
-                t = t.to(self.dtype)
-                d[k] = t.pin_memory() if pin else t
-        return w
+    def _parse(self, name: str, path: str) -> PackedAdapter:
+        weights = load_lora_adapter(name, path, self.spec, self.max_rank, self.model_dir)
+        return pack_adapter(weights, self.spec, self.dtype, pin=self.device.type == "cuda")
 
-    def _put_host(self, weights: LoRAWeights) -> None:
-        self._host[weights.name] = weights
-        self._host.move_to_end(weights.name)
+    def _put_host(self, packed: PackedAdapter) -> None:
+        self._host[packed.name] = packed
+        self._host.move_to_end(packed.name)
         while len(self._host) > self.max_cpu_loras:
-            victim = next((n for n in self._host if n not in self.pinned and n != weights.name), None)
+            victim = next((n for n in self._host if n not in self.pinned and n != packed.name), None)
             if victim is None:
                 break
             del self._host[victim]
@@ -97,30 +93,35 @@ class AdapterManager:
         return slot
 
     def try_activate(self, name: str, busy: set[str]) -> bool:
-        """Make `name` resident if possible now. False: not yet (slots busy, or parsing in background)."""
+        """Put `name` in a slot if possible now. False: not yet (slots busy, or parsing in background).
+        True: it has a slot, but on a GPU its copy may still be in flight: see `ready`."""
         if self.slots.slot_of(name) is not None:
             self.slots.policy.touch(name)
             return True
         if not self.slots.can_activate(name, busy | self.pinned):
             return False
         with self._lock:
-            weights = self._host.get(name)
-            if weights is not None:
+            packed = self._host.get(name)
+            if packed is not None:
                 self._host.move_to_end(name)
             elif name not in self._loading and name in self.paths:
                 self._loading[name] = self._pool.submit(self._reload, name, self.paths[name])
-        if weights is None:
+        if packed is None:
             return False
-        self.slots.activate(weights, busy | self.pinned)
+        self.slots.activate(packed, busy | self.pinned)
         self.counters[name].loads += 1
         return True
 
+    def ready(self, name: str) -> bool:
+        """In a slot with its copy landed: sequences on it may run."""
+        return self.slots.ready(name)
+
     def _reload(self, name: str, path: str) -> None:
         try:
-            weights = self._parse(name, path)
+            packed = self._parse(name, path)
             with self._lock:
                 if name in self.paths:
-                    self._put_host(weights)
+                    self._put_host(packed)
                     self.counters[name].disk_loads += 1
         finally:
             with self._lock:
@@ -130,11 +131,9 @@ class AdapterManager:
         """Free the slots of removed adapters nothing running uses; True when none is left to free."""
         done = True
         for name in self.slots.resident:
-            if name not in self.paths:
-                if name in busy:
-                    done = False
-                else:
-                    self.slots.deactivate(name)
+            # busy, or its copy still in flight: free it on a later step
+            if name not in self.paths and (name in busy or not self.slots.deactivate(name)):
+                done = False
         return done
 
     @property

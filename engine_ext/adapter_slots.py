@@ -1,15 +1,122 @@
 """Adapter slots on the device: an explicit slot table plus the stacked A/B/scale tensors the batched
-LoRA op reads. The last slot is all zeros and serves base-only tokens. Eviction is a separate policy."""
+LoRA ops read. The last slot is all zeros and serves base-only tokens. Eviction is a separate policy.
+
+Storage is one row per slot (`slab`, slot-major), holding every layer's A and B grouped as LORA_GROUPS
+so a fused group (q/k/v, gate/up) is read as one matrix, plus a float32 `scale_slab`:
+
+    row = [qkv A [L, in, 3R] | qkv B [L, R, q+2kv] | o A | o B | gate_up A | gate_up B | down A | down B]
+
+An adapter is packed once on the host into the same layout at its own rank (`pack_adapter`), so a load
+is one host-to-device copy of its bytes. On a GPU that copy runs on a side stream: `activate` returns at
+once and `ready(name)` says when the copy has landed; a slot whose copy is in flight is never evicted.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
-from .constants import LORA_MODULES
+from .constants import LORA_GROUPS
 from .lora_adapter import LoRAWeights
 from .model_config import ModelSpec
+
+SCALE_COLUMNS = tuple(m for modules in LORA_GROUPS.values() for m in modules)  # last dim of scale_slab
+_ALIGN = 64  # elements: every block of a row starts 128-byte aligned (vector loads in the kernels)
+# Copies go out in chunks so the step's own small uploads (batch metadata) wait behind one chunk on the
+# copy engine, not behind a whole adapter; at 4 MiB a chunk still runs at full PCIe speed.
+_COPY_CHUNK_BYTES = 4 << 20
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class GroupBlock:
+    """One LORA_GROUPS group in a row: A [L, in, nseg*rank] at a_offset, B [L, rank, out_total] at b_offset."""
+
+    modules: tuple[str, ...]
+    in_features: int
+    segments: tuple[int, ...]  # start column of each module's output within out_total (0 first)
+    out_total: int
+    a_offset: int
+    b_offset: int
+
+
+@dataclass
+class SlotLayout:
+    """Where every module's A and B sit in one flat row at `rank`, for the groups listed (in order)."""
+
+    num_layers: int
+    rank: int
+    blocks: dict[str, GroupBlock]
+    numel: int
+
+    @classmethod
+    def build(cls, spec: ModelSpec, rank: int, groups: tuple[str, ...] = tuple(LORA_GROUPS)) -> SlotLayout:
+        shapes, layers = spec.module_shapes(), spec.num_layers
+        blocks, offset = {}, 0
+        for g in groups:
+            modules = LORA_GROUPS[g]
+            fan_in = shapes[modules[0]][0]
+            assert all(shapes[m][0] == fan_in for m in modules), f"group {g} mixes input widths"
+            outs = [shapes[m][1] for m in modules]
+            a_offset = offset
+            b_offset = _aligned(a_offset + layers * fan_in * len(modules) * rank)
+            offset = _aligned(b_offset + layers * rank * sum(outs))
+            blocks[g] = GroupBlock(modules, fan_in, tuple(sum(outs[:i]) for i in range(len(outs))), sum(outs),
+                                   a_offset, b_offset)
+        return cls(layers, rank, blocks, offset)
+
+    def a(self, rows: torch.Tensor, group: str) -> torch.Tensor:
+        """rows [..., numel] -> the group's A, [..., L, in, nseg*rank] (a view)."""
+        blk = self.blocks[group]
+        shape = (self.num_layers, blk.in_features, len(blk.modules) * self.rank)
+        return rows[..., blk.a_offset : blk.a_offset + shape[0] * shape[1] * shape[2]].unflatten(-1, shape)
+
+    def b(self, rows: torch.Tensor, group: str) -> torch.Tensor:
+        """rows [..., numel] -> the group's B, [..., L, rank, out_total] (a view)."""
+        blk = self.blocks[group]
+        shape = (self.num_layers, self.rank, blk.out_total)
+        return rows[..., blk.b_offset : blk.b_offset + shape[0] * shape[1] * shape[2]].unflatten(-1, shape)
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter in host memory as one flat buffer in row layout at its own rank, over the groups it
+    targets (pinned on a CUDA engine): loading it into a slot is one copy of its bytes."""
+
+    name: str
+    layout: SlotLayout
+    data: torch.Tensor  # [layout.numel] model dtype
+    scales: torch.Tensor  # [L, len(SCALE_COLUMNS)] float32; 0 for modules the adapter leaves alone
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def pack_adapter(weights: LoRAWeights, spec: ModelSpec, dtype: torch.dtype, pin: bool) -> PackedAdapter:
+    """Lay a parsed adapter out as a slot row at its largest rank (smaller ranks zero-padded)."""
+    targeted = {m for _, m in weights.a}
+    groups = tuple(g for g, modules in LORA_GROUPS.items() if targeted & set(modules))
+    layout = SlotLayout.build(spec, weights.rank, groups)
+    data = torch.zeros(layout.numel, dtype=dtype, pin_memory=pin)
+    scales = torch.zeros(spec.num_layers, len(SCALE_COLUMNS), dtype=torch.float32, pin_memory=pin)
+    where = {m: (g, seg) for g in groups for seg, m in enumerate(LORA_GROUPS[g])}
+    for (layer, module), a in weights.a.items():
+        g, seg = where[module]
+        b, start, r = weights.b[(layer, module)], layout.blocks[g].segments[seg], a.shape[1]
+        layout.a(data, g)[layer, :, seg * layout.rank : seg * layout.rank + r].copy_(a)
+        layout.b(data, g)[layer, :r, start : start + b.shape[1]].copy_(b)
+        scales[layer, SCALE_COLUMNS.index(module)] = weights.scale[(layer, module)]
+    return PackedAdapter(weights.name, layout, data, scales)
 
 
 class LRUPolicy:
@@ -29,19 +136,47 @@ class LRUPolicy:
         return next((n for n in self._order if n in candidates), None)
 
 
+@dataclass
+class _Load:
+    done: torch.cuda.Event
+    keep: tuple  # what the copy reads (host buffers, device staging): alive until it has landed
+
+
 class AdapterSlots:
+    """The views the LoRA ops read (S = max_loras + 1 slots, R = max_rank; all strided views into `slab`
+    and `scale_slab`, with unit stride along the last dim of A, B and the group scales):
+
+    group_a[g] [L, S, in, nseg*R] (module seg's A in columns seg*R ..), group_b[g] [L, S, R, out_total]
+    (modules' B side by side from group_segments[g]), group_scale[g] [L, S, nseg] float32;
+    per module a[m] [L, S, in, R], b[m] [L, S, R, out], scale[m] [L, S] (ranks below R zero-padded)."""
+
     def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
                  policy: LRUPolicy | None = None):
         self.max_loras = max_loras
         self.zero_slot = max_loras
-        num_slots, layers = max_loras + 1, spec.num_layers
-        e = dict(dtype=dtype, device=device)
-        shapes = spec.module_shapes()
-        self.a = {m: torch.zeros(layers, num_slots, shapes[m][0], max_rank, **e) for m in LORA_MODULES}
-        self.b = {m: torch.zeros(layers, num_slots, max_rank, shapes[m][1], **e) for m in LORA_MODULES}
-        self.scale = {m: torch.zeros(layers, num_slots, dtype=torch.float32, device=device) for m in LORA_MODULES}
+        self.device = torch.device(device)
+        num_slots, rank = max_loras + 1, max_rank
+        self.layout = SlotLayout.build(spec, max_rank)
+        self.slab = torch.zeros(num_slots, self.layout.numel, dtype=dtype, device=self.device)  # [S, row]
+        self.scale_slab = torch.zeros(num_slots, spec.num_layers, len(SCALE_COLUMNS), dtype=torch.float32,
+                                      device=self.device)  # [S, L, 7]
+        self.group_a = {g: self.layout.a(self.slab, g).transpose(0, 1) for g in LORA_GROUPS}
+        self.group_b = {g: self.layout.b(self.slab, g).transpose(0, 1) for g in LORA_GROUPS}
+        self.group_scale, self.group_segments = {}, {}
+        self.a, self.b, self.scale = {}, {}, {}
+        for g, modules in LORA_GROUPS.items():
+            first, blk = SCALE_COLUMNS.index(modules[0]), self.layout.blocks[g]
+            self.group_scale[g] = self.scale_slab[:, :, first : first + len(modules)].transpose(0, 1)
+            self.group_segments[g] = blk.segments
+            ends = blk.segments[1:] + (blk.out_total,)
+            for seg, m in enumerate(modules):
+                self.a[m] = self.group_a[g][..., seg * rank : (seg + 1) * rank]
+                self.b[m] = self.group_b[g][..., blk.segments[seg] : ends[seg]]
+                self.scale[m] = self.group_scale[g][..., seg]
         self.table: list[str | None] = [None] * max_loras  # slot -> adapter name
         self.policy = policy or LRUPolicy()
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._loads: dict[int, _Load] = {}  # slot -> its copy in flight
 
     def slot_of(self, name: str) -> int | None:
         try:
@@ -53,45 +188,111 @@ class AdapterSlots:
     def resident(self) -> list[str]:
         return [n for n in self.table if n is not None]
 
+    # ------------------------------------------------------------ copies in flight
+    def ready(self, name: str) -> bool:
+        """In a slot, and its copy has landed: a forward may read it."""
+        slot = self.slot_of(name)
+        return slot is not None and self._landed(slot)
+
+    @property
+    def loading(self) -> bool:
+        """Some copy is still in flight."""
+        for slot in list(self._loads):
+            self._landed(slot)
+        return bool(self._loads)
+
+    def synchronize(self) -> None:
+        """Block the host until every copy in flight has landed (tests, benchmarks)."""
+        for slot, load in list(self._loads.items()):
+            load.done.synchronize()
+            self._landed(slot)
+
+    def _landed(self, slot: int) -> bool:
+        load = self._loads.get(slot)
+        if load is None:
+            return True
+        if not load.done.query():
+            return False
+        # The copy has completed; making the compute stream wait on it as well orders every later
+        # forward after it by CUDA's rules, not only by this poll.
+        torch.cuda.current_stream(self.device).wait_event(load.done)
+        del self._loads[slot]
+        return True
+
+    # ------------------------------------------------------------ the table
     def _free_or_victim(self, busy: set[str]) -> int | None:
         if None in self.table:
             return self.table.index(None)
-        victim = self.policy.victim({n for n in self.table if n not in busy})
+        loading = {self.table[slot] for slot in self._loads} if self.loading else set()
+        victim = self.policy.victim({n for n in self.table if n not in busy and n not in loading})
         return None if victim is None else self.table.index(victim)
 
     def can_activate(self, name: str, busy: set[str]) -> bool:
         """`busy`: adapters that must stay (in use by running sequences, or pinned)."""
         return self.slot_of(name) is not None or self._free_or_victim(busy) is not None
 
-    def activate(self, weights: LoRAWeights, busy: set[str]) -> int:
-        """Copy an adapter into a slot (evicting the policy's victim if all are taken); returns the slot."""
-        slot = self.slot_of(weights.name)
+    def activate(self, adapter: PackedAdapter, busy: set[str]) -> int:
+        """Start copying an adapter into a slot (evicting the policy's victim if all are taken); returns the
+        slot. On a GPU the copy runs on `copy_stream` and this returns at once: see `ready`."""
+        slot = self.slot_of(adapter.name)
         if slot is None:
+            if adapter.rank > self.layout.rank or adapter.layout.num_layers != self.layout.num_layers:
+                raise ValueError(f"adapter {adapter.name!r} (rank {adapter.rank}) does not fit these slots")
             slot = self._free_or_victim(busy)
             if slot is None:
                 raise RuntimeError("no adapter slot is free or evictable")
-            self.evict_slot(slot)
-            for (layer, module), a in weights.a.items():
-                r = a.shape[1]
-                self.a[module][layer, slot, :, :r].copy_(a, non_blocking=True)
-                self.b[module][layer, slot, :r, :].copy_(weights.b[(layer, module)], non_blocking=True)
-                self.scale[module][layer, slot] = weights.scale[(layer, module)]
-            self.table[slot] = weights.name
-        self.policy.touch(weights.name)
+            self._forget(slot)  # no clearing: the copy writes the whole row
+            self._copy_in(slot, adapter)
+            self.table[slot] = adapter.name
+        self.policy.touch(adapter.name)
         return slot
 
-    def evict_slot(self, slot: int) -> None:
-        name = self.table[slot]
-        if name is None:
-            return
-        for m in LORA_MODULES:
-            self.a[m][:, slot].zero_()
-            self.b[m][:, slot].zero_()
-            self.scale[m][:, slot] = 0.0
-        self.table[slot] = None
-        self.policy.forget(name)
-
-    def deactivate(self, name: str) -> None:
+    def deactivate(self, name: str) -> bool:
+        """Free an adapter's slot, zeroed so a free slot never holds stale weights. False (and nothing
+        done) while its copy is still in flight."""
         slot = self.slot_of(name)
-        if slot is not None:
-            self.evict_slot(slot)
+        if slot is None:
+            return True
+        if not self._landed(slot):
+            return False
+        self._forget(slot)
+        self.slab[slot].zero_()
+        self.scale_slab[slot].zero_()
+        return True
+
+    def _forget(self, slot: int) -> None:
+        name = self.table[slot]
+        if name is not None:
+            self.table[slot] = None
+            self.policy.forget(name)
+
+    # ------------------------------------------------------------ the copy
+    def _copy_in(self, slot: int, adapter: PackedAdapter) -> None:
+        row, scales = self.slab[slot], self.scale_slab[slot]
+        direct = adapter.layout == self.layout  # same rank and groups: the packed buffer is the row
+        if self.copy_stream is None:
+            row.copy_(adapter.data) if direct else self._unpack(row, adapter.data, adapter.layout)
+            scales.copy_(adapter.scales)
+            return
+        # Forwards already queued may still read the victim's row: the copy starts after them.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            dst = row if direct else torch.empty(adapter.data.shape, dtype=row.dtype, device=self.device)
+            chunk = _COPY_CHUNK_BYTES // adapter.data.element_size()
+            for start in range(0, dst.numel(), chunk):
+                dst[start : start + chunk].copy_(adapter.data[start : start + chunk], non_blocking=True)
+            if not direct:
+                self._unpack(row, dst, adapter.layout)  # device-side, at memory speed
+            scales.copy_(adapter.scales, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self._loads[slot] = _Load(done, (adapter.data, adapter.scales, dst))
+
+    def _unpack(self, row: torch.Tensor, src: torch.Tensor, layout: SlotLayout) -> None:
+        """Write a row packed at a lower rank (or over fewer groups) into a slot row; the rest is zero."""
+        row.zero_()
+        r, big = layout.rank, self.layout.rank
+        for g, blk in layout.blocks.items():
+            nseg = len(blk.modules)
+            self.layout.a(row, g).unflatten(-1, (nseg, big))[..., :r].copy_(layout.a(src, g).unflatten(-1, (nseg, r)))
+            self.layout.b(row, g)[:, :r].copy_(layout.b(src, g))

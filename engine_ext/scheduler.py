@@ -23,7 +23,8 @@ class ScheduledBatch:
 class Scheduler:
     """FCFS with preemption by recompute. Each step: make room for every running sequence (preempting
     the newest when blocks run out), then admit waiting requests while blocks, sequence slots, the
-    token budget and adapter slots allow. At most one adapter is copied into a device slot per step."""
+    token budget and adapter slots allow. A request is admitted once its adapter's copy into a device
+    slot has landed; at most one copy is issued per step, and none while another is in flight."""
 
     def __init__(self, blocks: BlockManager, adapters: AdapterManager, max_num_seqs: int,
                  max_num_batched_tokens: int):
@@ -35,6 +36,7 @@ class Scheduler:
         self.running: dict[str, Sequence] = {}  # request id -> sequence
         self.finished: list[Sequence] = []  # finished since the engine last collected them
         self.num_preemptions = 0
+        self._cold: set[str] = set()  # waiting request ids that had to wait for their adapter's copy
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,7 +88,7 @@ class Scheduler:
             return batch  # memory is tight: let the running ones progress before admitting more
 
         budget = self.max_num_batched_tokens - len(batch.seqs) * (1 + lookahead)
-        copied = False
+        issued = False
         skipped: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -96,12 +98,20 @@ class Scheduler:
             if not self.blocks.can_allocate(seq.block_table, seq.num_tokens + lookahead):
                 break  # keep FCFS for memory; a later, smaller request must not starve this one
             if seq.adapter is not None:
-                resident = self.adapters.slots.slot_of(seq.adapter) is not None
-                if not resident and (copied or not self.adapters.try_activate(seq.adapter, self.busy_adapters())):
+                slots = self.adapters.slots
+                resident = slots.slot_of(seq.adapter) is not None
+                hit = resident and seq.request_id not in self._cold
+                # One copy at a time: on a GPU it runs beside the steps on a side stream, sharing the host
+                # link only with the steps' own small uploads and holding one slot unevictable; on a CPU it
+                # stalls the step, so one per step bounds that stall.
+                if not resident and not issued and not slots.loading:
+                    issued = self.adapters.try_activate(seq.adapter, self.busy_adapters())
+                if not self.adapters.ready(seq.adapter):
+                    self._cold.add(seq.request_id)
                     skipped.append(self.waiting.popleft())  # adapter not ready: let requests behind it go first
                     continue
-                copied |= not resident
-                self.adapters.counters[seq.adapter].hits += resident
+                self._cold.discard(seq.request_id)
+                self.adapters.counters[seq.adapter].hits += hit
             self.waiting.popleft()
             self.blocks.allocate(seq.block_table, seq.num_tokens + lookahead)
             seq.status = SeqStatus.RUNNING
@@ -109,4 +119,6 @@ class Scheduler:
             batch.seqs.append(seq)
             budget -= need
         self.waiting.extendleft(reversed(skipped))
+        if len(self._cold) > len(self.waiting):  # forget requests that left while waiting (aborted)
+            self._cold &= {s.request_id for s in self.waiting}
         return batch

@@ -33,6 +33,22 @@ _NORM_CHUNK = 256  # K chunk of one add_rms_norm program (its share of the row a
 _SILU_BLOCK = 1024  # columns of one silu_mul program
 
 
+@triton.jit
+def _rnd(x, dt: tl.constexpr):
+    """x (fp32) rounded to dt and back: torch's rounding of every intermediate bf16/fp16 result. bf16 by
+    integer round-to-nearest-even on the bits (a plain to(bf16).to(fp32) pair can be folded away by the
+    compiler, which then keeps fp32 precision where torch rounds)."""
+    if dt == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif dt == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+
 def _rank_block(r: int) -> int:
     return triton.next_power_of_2(max(r, 1))
 
@@ -51,7 +67,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     if HAS_DELTA:
         d = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
+        x = _rnd(x.to(tl.float32) + d.to(tl.float32), dt)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
     slot = 0
@@ -70,7 +86,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x
             xc = (xc.to(tl.float32) + dc.to(tl.float32)).to(dt)
             tl.store(res_ptr + row * stride_r + cols, xc, mask=mc)
         wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
-        h = (wc * (xc.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+        h = (wc * _rnd(xc.to(tl.float32) * rstd, dt)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, h, mask=mc)
         if do_lora:
             av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
@@ -121,7 +137,7 @@ def _expand_row(part_ptr, b_ptr, scale_ptr, slot, t, seg, R, col0, col_end, num_
     s = tl.zeros([BLOCK_R], dtype=tl.float32)
     for sp in range(0, num_splits):
         s += tl.load(part_ptr + sp * stride_ps + t * stride_pt + seg * R + offs_r, mask=mr, other=0.0)
-    s = (s * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32)).to(dt).to(tl.float32)
+    s = _rnd(s * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32), dt)
     offs_c = col0 + tl.arange(0, NCOL)
     bv = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_c[None, :],
                  mask=mr[:, None] & (offs_c[None, :] < col_end), other=0.0)
@@ -159,8 +175,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
         s1 = tl.load(sin_ptr + t * stride_s + offs).to(tl.float32)
         s2 = tl.load(sin_ptr + t * stride_s + HALF + offs).to(tl.float32)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        o1 = ((f1 * c1).to(dt).to(tl.float32) + (-f2 * s1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
+        o1 = (_rnd(f1 * c1, dt) + _rnd(-f2 * s1, dt)).to(dt)
+        o2 = (_rnd(f2 * c2, dt) + _rnd(f1 * s2, dt)).to(dt)
         if h < num_heads:
             tl.store(src + offs, o1)
             tl.store(src + HALF + offs, o2)
@@ -237,7 +253,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
             g = (g.to(tl.float32) + dg).to(dt)
             u = (u.to(tl.float32) + du).to(dt)
         gf = g.to(tl.float32)
-        act = ((gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32) * u.to(tl.float32)).to(dt)
+        act = (_rnd(gf / (1.0 + tl.exp(-gf)), dt) * u.to(tl.float32)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, act, mask=m)
         if do_lora:
             av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],

@@ -41,8 +41,9 @@ def test_add_rms_norm(dtype, tokens, hidden, with_delta):
     x = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
     delta = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype) if with_delta else None
     w = (1 + 0.1 * torch.randn(hidden, generator=g, device=DEV)).to(dtype)
-    ref_x, ref_h = TorchOps.add_rms_norm(x.clone(), delta, w, 1e-5)
-    out_x, out_h = add_rms_norm(x.clone(), delta, w, 1e-5)
+    ref_x, ref_h, _ = TorchOps.add_rms_norm(x.clone(), delta, w, 1e-5)
+    out_x, out_h, part = add_rms_norm(x.clone(), delta, w, 1e-5)
+    assert part is None
     assert torch.equal(out_x, ref_x)  # one rounded add: exact
     _agree(out_h, ref_h, dtype)
 
@@ -77,7 +78,7 @@ def test_silu_mul(dtype, tokens, inter):
     from engine_ext.kernels.triton_fused import silu_mul
 
     gate_up = (3 * torch.randn(tokens, 2 * inter, generator=_gen(inter), device=DEV)).to(dtype)
-    _agree(silu_mul(gate_up), TorchOps.silu_mul(gate_up), dtype)
+    _agree(silu_mul(gate_up)[0], TorchOps.silu_mul(gate_up)[0], dtype)
 
 
 # ---------------------------------------------------------------- the fused-group LoRA op
@@ -143,3 +144,75 @@ def test_group_op_is_registered_with_the_triton_backend():
     install()
     assert get_group_lora_op("triton") is add_lora_group_triton
     assert get_group_lora_op("torch") is None
+
+
+# ---------------------------------------------------------------- LoRA folded into the element-wise kernels
+def _slot_stack(num_slots, rows, cols, g, dtype, scale=1.0):
+    t = (torch.randn(num_slots, rows, cols, generator=g, device=DEV) * scale).to(dtype)
+    t[-1] = 0  # the zero slot
+    return t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,rank,runs", [(1, 16, False), (32, 16, False), (32, 64, False), (160, 64, True)])
+def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
+    """One layer's q/k/v and gate/up/down LoRA through the fused kernels against the reference composition:
+    norm, base output + per-module LoRA (lora_ops reference), then rotary/KV write and SiLU (TorchOps)."""
+    from engine_ext.kernels.triton_fused import add_rms_norm, rope_write_kv, silu_mul
+    from engine_ext.kernels.triton_lora import lora_expand
+
+    g = _gen(tokens * 131 + rank)
+    hidden, inter, heads, kv_heads, head_dim, num_slots = 2048, 8192, 32, 8, 64, 9
+    qs, kvs = heads * head_dim, kv_heads * head_dim
+    if runs:
+        slots = torch.randint(0, num_slots, (tokens // 5,), generator=g, device=DEV).repeat_interleave(5)
+    else:
+        slots = torch.randint(0, num_slots, (tokens,), generator=g, device=DEV)
+    a_qkv = _slot_stack(num_slots, hidden, 3 * rank, g, dtype, hidden**-0.5)
+    b_qkv = _slot_stack(num_slots, rank, qs + 2 * kvs, g, dtype, 0.5)
+    a_gu = _slot_stack(num_slots, hidden, 2 * rank, g, dtype, hidden**-0.5)
+    b_gu = _slot_stack(num_slots, rank, 2 * inter, g, dtype, 0.5)
+    a_down = _slot_stack(num_slots, inter, rank, g, dtype, inter**-0.5)
+    b_down = _slot_stack(num_slots, rank, hidden, g, dtype, 0.5)
+    sc = {n: torch.rand(num_slots, k, generator=g, device=DEV) * 2 for n, k in (("qkv", 3), ("gu", 2), ("down", 1))}
+
+    def ref_group(y, x, a, b, scale, segments):
+        y = y.float().clone()
+        ends = list(segments[1:]) + [y.shape[1]]
+        for seg, (lo, hi) in enumerate(zip(segments, ends)):
+            add_lora_reference(y[:, lo:hi], x.float(), a[:, :, seg * rank : (seg + 1) * rank].float(),
+                               b[:, :, lo:hi].float(), scale[:, seg].contiguous(), slots)
+        return y.to(dtype)
+
+    x = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
+    delta = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g, device=DEV)).to(dtype)
+    _, h, _ = TorchOps.add_rms_norm(x.clone(), delta, w, 1e-5)
+    _, h2, part = add_rms_norm(x.clone(), delta, w, 1e-5, (a_qkv, slots))
+    _agree(h2, h, dtype)
+    # q/k/v: a base output plus the deltas, then rotary + cache write
+    qkv = torch.randn(tokens, qs + 2 * kvs, generator=g, device=DEV).to(dtype)
+    positions = torch.randint(0, 2000, (tokens,), generator=g, device=DEV)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    cos, sin = cos_sin(inv_freq, positions, dtype)
+    kv_slots = torch.randperm(64 * 16, generator=g, device=DEV)[:tokens]
+    caches = [torch.zeros(64, 16, kv_heads, head_dim, device=DEV, dtype=dtype) for _ in range(4)]
+    ref_q = TorchOps.rope_write_kv(ref_group(qkv, h, a_qkv, b_qkv, sc["qkv"], (0, qs, qs + kvs)), cos, sin,
+                                   caches[0], caches[1], kv_slots, heads, kv_heads)
+    out_q = rope_write_kv(qkv.clone(), cos, sin, caches[2], caches[3], kv_slots, heads, kv_heads,
+                          (part, b_qkv, sc["qkv"], slots))
+    for out, ref in ((out_q, ref_q), (caches[2], caches[0]), (caches[3], caches[1])):
+        assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-2
+    # gate/up deltas, SiLU, the down shrink; the down expand
+    _, _, part_gu = add_rms_norm(x.clone(), delta, w, 1e-5, (a_gu, slots))
+    gate_up = torch.randn(tokens, 2 * inter, generator=g, device=DEV).to(dtype)
+    ref_act = TorchOps.silu_mul(ref_group(gate_up, h, a_gu, b_gu, sc["gu"], (0, inter)))[0]
+    act, part_down = silu_mul(gate_up.clone(), (part_gu, b_gu, sc["gu"], a_down, slots))
+    assert ((act.double() - ref_act.double()).norm() / ref_act.double().norm()).item() < 1e-2
+    y0 = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
+    ref_y = ref_group(y0, act, a_down, b_down, sc["down"], (0,))
+    y = y0.clone()
+    lora_expand(y, part_down, b_down, sc["down"], slots, num_slots - 1)
+    assert ((y.double() - ref_y.double()).norm() / (ref_y.double() - y0.double()).norm()).item() < 1e-2
+    base = slots == num_slots - 1
+    assert torch.equal(y[base], y0[base])
