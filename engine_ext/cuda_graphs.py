@@ -10,6 +10,9 @@ newly loaded adapter needs no re-capture. The attention and LoRA kernels read pe
 and slots on the device, which is what makes one graph valid for every mix.
 
 All per-step metadata is packed on the host into one pinned buffer and sent with two copies.
+`run_async` queues forwards back to back with no host sync (speculative drafting): some input ids
+then come from a device tensor an earlier forward filled, and each forward in flight packs into its
+own set of pinned buffers (a small ring that grows to the number in flight).
 
 `compile_model=True` (experimental, off) runs the captured forwards through `torch.compile` with the
 Triton kernels as opaque custom ops, meant to fuse the model's element-wise work into fewer kernels;
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 # Rows of the packed metadata buffer.
 _IDS, _POS, _KV_SLOT, _SEQ, _QIDX, _LORA, _LOGITS = range(7)
+# Two more, read before the replay (not by the graph): token DST[i] takes its id from the caller's device tensor
+# at SRC[i] (`run_async`'s token_src).
+_DST, _SRC = 7, 8
+_NUM_ROWS = 9
+_MAX_IN_FLIGHT = 20  # pinned buffer sets; a speculative cycle queues at most 16 drafting passes + 1 verify
 
 
 def graph_buckets(max_tokens: int) -> list[int]:
@@ -98,14 +107,12 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_tokens)
         tmax, width = self.buckets[-1], max_blocks_per_seq
         self.width = width
-        self.host_rows = torch.zeros(7, tmax, dtype=torch.long, pin_memory=True)
-        self.host_tables = torch.full((tmax + 1, width), scratch_block, dtype=torch.long, pin_memory=True)
-        self.rows = torch.zeros(7, tmax, dtype=torch.long, device=device)
+        self.rows = torch.zeros(_NUM_ROWS, tmax, dtype=torch.long, device=device)
         self.tables = torch.full((tmax + 1, width), scratch_block, dtype=torch.long, device=device)
-        self._np_rows, self._np_tables = self.host_rows.numpy(), self.host_tables.numpy()
+        self._host: list[_HostBuffers] = []  # ring of pinned packing buffers, one per forward in flight
+        self._next_host = 0
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds: float | None = None
-        self._copied = torch.cuda.Event()
         self._slots = None
 
     def _forward(self, bucket: int, use_lora: bool) -> torch.Tensor:
@@ -155,6 +162,18 @@ class DecodeGraphs:
 
     def run(self, work: list[SeqWork], slots, use_lora: bool) -> torch.Tensor:
         """Next-token logits [N, vocab] float32, as ModelRunner.run computes them eagerly."""
+        return self.run_async(work, slots, use_lora).clone()
+
+    def run_async(self, work: list[SeqWork], slots, use_lora: bool, tokens: torch.Tensor | None = None,
+                  token_src: list[int] | None = None) -> torch.Tensor:
+        """Queue one forward on the current stream, no host sync; returns its logits [N, vocab] float32 as a
+        view of the graph's output. Consume it (or clone it) before queuing the next forward: the next replay
+        of this graph overwrites it, and so may another graph's (the graphs share one memory pool, and a
+        graph captured later may have put its output where an earlier one keeps intermediates).
+        token_src: see ModelRunner.run_async.
+
+        Stream order makes the queue safe: this forward's copies into the static `rows`/`tables` run after
+        the previous replay has read them, and the id fix-up runs after the forward that wrote `tokens`."""
         if self._slots is None:
             self.capture(slots)
         elif slots is not self._slots:
@@ -162,15 +181,59 @@ class DecodeGraphs:
         total = sum(len(w.token_ids) for w in work)
         bucket = next(b for b in self.buckets if b >= total)
         use_lora = use_lora and any(w.lora_slot != slots.zero_slot for w in work)
-        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
-        num_tokens, num_logits = pack_decode_batch(work, self.block_size, slots.zero_slot, self.scratch_block,
-                                                   bucket, self._np_rows, self._np_tables)
-        self.rows.copy_(self.host_rows, non_blocking=True)
-        self.tables[: len(work) + 1].copy_(self.host_tables[: len(work) + 1], non_blocking=True)
-        self._copied.record()
+        host = self._free_host_buffers()
+        _, num_logits = pack_decode_batch(work, self.block_size, slots.zero_slot, self.scratch_block, bucket,
+                                          host.np_rows, host.np_tables)
+        moved = _pack_token_src(token_src, host.np_rows)
+        self.rows.copy_(host.rows, non_blocking=True)
+        self.tables[: len(work) + 1].copy_(host.tables[: len(work) + 1], non_blocking=True)
+        host.copied.record()
+        if moved:
+            r = self.rows
+            r[_IDS].index_copy_(0, r[_DST, :moved], tokens.index_select(0, r[_SRC, :moved]))
         graph, out = self.graphs[(bucket, use_lora)]
         graph.replay()
-        return out[:num_logits].clone()
+        return out[:num_logits]
+
+    def _free_host_buffers(self) -> _HostBuffers:
+        """The next pinned buffer set whose copies have run (packing into it must not race its DMA). Synchronous
+        callers always find one; forwards queued back to back grow the ring to the number whose copies are
+        still pending, once, up to _MAX_IN_FLIGHT (beyond that, wait for the oldest)."""
+        ring = self._host
+        i = self._next_host % len(ring) if ring else 0
+        if ring and (ring[i].copied.query() or len(ring) >= _MAX_IN_FLIGHT):
+            ring[i].copied.synchronize()
+        else:
+            tmax = self.buckets[-1]
+            ring.insert(i, _HostBuffers(
+                torch.zeros(_NUM_ROWS, tmax, dtype=torch.long, pin_memory=True),
+                torch.full((tmax + 1, self.width), self.scratch_block, dtype=torch.long, pin_memory=True),
+                torch.cuda.Event()))
+        self._next_host = i + 1
+        return ring[i]
+
+
+@dataclass
+class _HostBuffers:
+    """Pinned host buffers one forward's metadata is packed into, and the event recorded after their copies."""
+
+    rows: torch.Tensor  # [_NUM_ROWS, max tokens]
+    tables: torch.Tensor  # [max tokens + 1, max blocks per sequence]
+    copied: torch.cuda.Event
+
+    def __post_init__(self) -> None:
+        self.np_rows, self.np_tables = self.rows.numpy(), self.tables.numpy()
+
+
+def _pack_token_src(token_src: list[int] | None, rows: np.ndarray) -> int:
+    """rows[_DST, :n] = tokens whose id comes from the device, rows[_SRC, :n] = where from; returns n."""
+    if token_src is None:
+        return 0
+    src = np.asarray(token_src, dtype=np.int64)
+    dst = np.flatnonzero(src >= 0)
+    rows[_DST, : len(dst)] = dst
+    rows[_SRC, : len(dst)] = src[dst]
+    return len(dst)
 
 
 def _opaque_ops(lora_op, attn_op):

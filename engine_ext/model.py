@@ -165,7 +165,8 @@ class CausalLM(nn.Module):
         delta = None  # the previous sub-block's output, not yet added to the residual stream x
         # With fused kernels (ops.fuses_lora) and the slots' group stacks, the q/k/v and gate/up shrinks ride
         # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel.
-        fuse = lora is not None and lora.groups is not None and getattr(ops, "fuses_lora", False)
+        fuse = (lora is not None and lora.groups is not None and getattr(ops, "fuses_lora", False)
+                and input_ids.shape[0] <= ops.max_fused_lora_tokens)
         for i, layer in enumerate(self.layers):
             shrink = lora.shrink_args(i, "qkv") if fuse else None
             x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink)

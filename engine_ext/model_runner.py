@@ -66,7 +66,29 @@ class ModelRunner:
         """Returns next-token logits [sum(num_logits), vocab] float32. `use_lora=False`: the base model."""
         if self.graphs is not None and self.graphs.fits(work):
             return self.graphs.run(work, slots, use_lora)
+        return self._run_eager(work, slots, use_lora)
+
+    @torch.inference_mode()
+    def run_async(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True,
+                  tokens: torch.Tensor | None = None, token_src: list[int] | None = None) -> torch.Tensor:
+        """`run` for forwards queued back to back: no host sync where a CUDA graph takes the forward (the
+        eager path is synchronous, which is also what the CPU tests exercise).
+
+        token_src: None, or one entry per token of the flat token list (work order); where >= 0, that token's
+        input id is tokens[token_src[t]] ([M] long, on the device), read when the forward runs, so it may be
+        the output of a forward still queued; its id in `work` is then a placeholder. The logits may be a view
+        of a graph's output buffer: consume or clone them before queuing the next forward."""
+        if self.graphs is not None and self.graphs.fits(work):
+            return self.graphs.run_async(work, slots, use_lora, tokens, token_src)
+        return self._run_eager(work, slots, use_lora, tokens, token_src)
+
+    def _run_eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool,
+                   tokens: torch.Tensor | None = None, token_src: list[int] | None = None) -> torch.Tensor:
         batch: ForwardBatch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device)
+        moved = [t for t, src in enumerate(token_src or ()) if src >= 0]
+        if moved:
+            src = torch.tensor([token_src[t] for t in moved], device=self.device)
+            batch.input_ids[torch.tensor(moved, device=self.device)] = tokens[src]
         batch.attn.kernel = self.attn_kernel
         lora = None
         if use_lora and batch.has_lora:

@@ -4,14 +4,21 @@ A cycle that drafts m tokens for a sequence whose drafts are accepted with proba
 E(a, m) = (1 - a^(m+1)) / (1 - a) tokens (the accepted run plus the target's own token). It costs
 `max m` base-only passes plus one adapter-on verify pass over sum(m + 1) tokens, against one
 adapter-on pass per token for plain multi-LoRA decoding. Times are measured, per bucket of
-(tokens in the pass, distinct adapters), as exponential moving averages.
+(tokens in the pass, distinct adapters), as exponential moving averages. A greedy cycle queues all its
+passes before its one host sync, so its passes are not timed one by one: the speculator splits the
+cycle's wall time (host work included) over them in proportion to their device time (PassClock). That
+keeps the per-pass model, and its prediction for a repeat of that cycle is the measured cycle time.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
+
+import torch
 
 from .config import SpecConfig
 
@@ -73,25 +80,57 @@ class StepTimes:
     def record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
         key = (kind, _bucket(tokens), _bucket(adapters) if adapters else 0)
         self._n[key] += 1
-        old = self._t.get(key)
         # The first pass at a new shape pays one-off costs (kernel selection, graph capture, first-touch
-        # memory): the second sample replaces it instead of being averaged with it.
-        self._t[key] = seconds if old is None or self._n[key] == 2 else (1 - self.weight) * old + self.weight * seconds
+        # memory), which can be seconds: it is no measurement. Deciding on it would keep the gate off that
+        # mode until the next probe; instead the shape counts as unmeasured, and is explored once more.
+        if self._n[key] == 1:
+            return
+        old = self._t.get(key)
+        self._t[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
 
-    def get(self, kind: str, tokens: int, adapters: int) -> float | None:
-        """The measured time at this bucket; else that of the nearest measured bucket of the same kind
-        (token and adapter buckets compared on a log scale), unscaled. The fallback is deliberately
-        optimistic: a decision it drives runs the pass and so measures the missing bucket, while a
-        pessimistic guess would keep the gate from ever trying it. None if never measured."""
+    def get(self, kind: str, tokens: int, adapters: int, exact: bool = False) -> float | None:
+        """The measured time at this bucket; else (unless `exact`) that of the nearest measured bucket of the
+        same kind (token and adapter buckets compared on a log scale), unscaled. The fallback is meant to be
+        optimistic for the pass it prices: a decision it drives runs that pass and so measures the missing
+        bucket, while a pessimistic guess would keep the gate from ever trying it. None if never measured."""
         ab = _bucket(adapters) if adapters else 0
         tb = _bucket(tokens)
-        exact = self._t.get((kind, tb, ab))
-        if exact is not None:
-            return exact
+        measured = self._t.get((kind, tb, ab))
+        if measured is not None or exact:
+            return measured
         known = [(t, a, v) for (k, t, a), v in self._t.items() if k == kind]
         if not known:
             return None
         return min(known, key=lambda e: abs(e[0].bit_length() - tb.bit_length()) + abs(e[1].bit_length() - ab.bit_length()))[2]
+
+
+class PassClock:
+    """Durations of forwards queued without a host sync, read after the cycle's one sync: CUDA events on a
+    GPU (each span is that pass's share of the device timeline); elsewhere every pass is synchronous and
+    the host clock times it."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._events: list = []  # reused across cycles: read only after the sync that completes them
+        self._marks: list = []
+
+    def mark(self) -> None:
+        """At the start of the first pass, then after each pass is queued."""
+        if not self.cuda:
+            self._marks.append(time.perf_counter())
+            return
+        if len(self._events) == len(self._marks):
+            self._events.append(torch.cuda.Event(enable_timing=True))
+        event = self._events[len(self._marks)]
+        event.record()
+        self._marks.append(event)
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks (call after a sync that covers every pass), and reset."""
+        marks, self._marks = self._marks, []
+        if self.cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+        return [b - a for a, b in itertools.pairwise(marks)]
 
 
 class Gate:
@@ -153,7 +192,10 @@ class Gate:
             return True
         passes = max(lengths)
         t_base = self.times.get("base", batch, 0)
-        t_plain = self.times.get("lora", batch, distinct)
+        # Exact, not the nearest bucket: the nearest adapter-on pass is usually a (larger) verify pass, which
+        # would make plain look slower than it is, and speculation would then never measure plain. A plain
+        # step is the cheapest exploration there is.
+        t_plain = self.times.get("lora", batch, distinct, exact=True)
         verify_tokens = sum(m + 1 for m in lengths) + num_base
         t_verify = self.times.get("lora", verify_tokens, distinct)
         if t_base is None or t_verify is None:

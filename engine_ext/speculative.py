@@ -6,10 +6,17 @@ adapter-on pass over [last, d1..dm] verifies all of them, overwriting the drafte
 with the adapter-conditioned values before anything else reads them. Rejected positions are
 released by truncating the block table. Base-only sequences need no verification: each drafting
 pass is an exact decoding step for them, so they commit a token from every pass.
+
+When every drafting sequence and every base-only rider is greedy, the cycle makes one host sync
+instead of k + 1: each pass's argmax is written to a device buffer that the next pass (and the
+verify pass) read their input ids from, so all passes are queued back to back (`_greedy_cycle`).
+Sampled requests in the batch keep the pass-by-pass cycle (`_cycle`), where drafts are drawn on
+the host side of each pass.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -18,7 +25,7 @@ from .batch import SeqWork
 from .config import SpecConfig
 from .sampler import draw, probabilities, sample
 from .sequence import Sequence
-from .spec_gate import Gate
+from .spec_gate import Gate, PassClock
 
 
 def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -35,11 +42,7 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
     probability min(1, p_i(d_i) / q_i(d_i)); on the first rejection it draws from
     normalize(max(0, p_i - q_i)), so every committed token is distributed exactly as under p."""
     if q is None:
-        target = p.argmax(dim=-1).tolist()
-        n = 0
-        while n < len(drafts) and drafts[n] == target[n]:
-            n += 1
-        return drafts[:n] + [target[n]]
+        return accept_greedy(drafts, p.argmax(dim=-1).tolist())
     gen = generator or default
     u = torch.rand(len(drafts), generator=gen, device=p.device)
     for i, d in enumerate(drafts):
@@ -51,13 +54,23 @@ def verify_drafts(p: torch.Tensor, q: torch.Tensor | None, drafts: list[int],
     return drafts + [int(draw(p[len(drafts)][None], [generator], default))]
 
 
+def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
+    """target[i] = argmax of the target after last, d1..di: keep drafts while they agree, then the target's own."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return drafts[:n] + [target[n]]
+
+
 class Speculator:
     def __init__(self, engine, cfg: SpecConfig):
         self.engine = engine
         self.cfg = cfg
         self.lookahead = cfg.num_draft_tokens
         self.gate = Gate(cfg)
+        self.clock = PassClock(engine.device)
         self.cycles = self.plain_steps = self.draft_passes = 0
+        self.greedy_cycles = 0  # cycles that took the one-sync path
 
     # ------------------------------------------------------------ one engine step
     def step(self) -> list[Sequence]:
@@ -90,14 +103,20 @@ class Speculator:
 
     def _cap(self, s: Sequence) -> int:
         """Longest useful draft: every accepted token plus the target's own must fit max_tokens."""
-        left = min(s.params.max_tokens - len(s.output_token_ids), self.engine.max_model_len - s.num_tokens)
-        return max(0, min(self.cfg.num_draft_tokens, left - 1))
+        return max(0, min(self.cfg.num_draft_tokens, self._left(s) - 1))
+
+    def _left(self, s: Sequence) -> int:
+        """Tokens the sequence may still generate before max_tokens or max_model_len ends it."""
+        return min(s.params.max_tokens - len(s.output_token_ids), self.engine.max_model_len - s.num_tokens)
 
     # ------------------------------------------------------------ the cycle
     def _cycle(self, seqs: list[Sequence], lengths: dict[int, int], base_seqs: list[Sequence]):
         e = self.engine
         slots = e.adapters.slots
         drafters = [s for s in seqs if lengths.get(id(s), 0) > 0]
+        if drafters and all(s.params.greedy for s in drafters + base_seqs):
+            self.greedy_cycles += 1
+            return self._greedy_cycle(seqs, lengths, drafters, base_seqs)
         drafts: dict[int, list[int]] = {id(s): [] for s in drafters}
         qs: dict[int, list[torch.Tensor]] = {id(s): [] for s in drafters}
         for j in range(max(lengths.values(), default=0)):
@@ -123,19 +142,97 @@ class Speculator:
         distinct = len({s.adapter for s in live if s.adapter is not None})
         self.gate.times.record("lora", sum(len(w.token_ids) for w in work), distinct, time.perf_counter() - start)
 
-    def _settle_all(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict):
-        """Commit each sequence's tokens from the verify pass (batched where the math allows)."""
+    @torch.inference_mode()
+    def _greedy_cycle(self, seqs: list[Sequence], lengths: dict[int, int], drafters: list[Sequence],
+                      riders: list[Sequence]):
+        """`_cycle` for greedy drafters and riders, with one host sync. Positions and KV slots of every pass are
+        known up front; only token ids are not, so each pass's argmax goes into `tokens` on the device and the
+        next pass (and the verify pass) gather their input ids from it. The host reads drafts and verify
+        argmaxes once, at the end, and settles exactly as `_cycle` does."""
+        e, slots = self.engine, self.engine.adapters.slots
+        start = time.perf_counter()
+        passes = max(lengths[id(s)] for s in drafters)
+        # Drafting passes per sequence: its draft length; for a rider, every pass unless a length limit comes
+        # first. Stops (EOS, stop strings) show only after the sync: a rider that stopped keeps computing to the
+        # end of the cycle, into positions its lookahead blocks hold, and those tokens are dropped.
+        count = {id(s): lengths[id(s)] for s in drafters} | {id(s): min(passes, self._left(s)) for s in riders}
+        members = sorted(drafters + riders, key=lambda s: -count[id(s)])  # pass j runs members[:sizes[j]]
+        sizes = [sum(count[id(s)] > j for s in members) for j in range(passes)]
+        offsets = list(itertools.accumulate(sizes, initial=0))
+        row = {id(s): i for i, s in enumerate(members)}
+
+        def at(s: Sequence, j: int) -> int:  # where pass j's argmax for s lands in `tokens`
+            return offsets[j] + row[id(s)]
+
+        done = {id(s) for s in riders if count[id(s)] == self._left(s)}  # finished by length in the passes
+        live = [s for s in seqs if id(s) not in done]  # the verify pass: m + 1 logits for a drafter, else 1
+        tokens = torch.empty(offsets[-1] + sum(lengths.get(id(s), 0) + 1 for s in live), dtype=torch.long,
+                             device=e.device)
+
+        want_rows = any(s.params.return_logits for s in riders)
+        kept = []  # per pass, its logits (only for riders returning logits): the graph's buffer is reused
+        self.clock.mark()
+        for j in range(passes):
+            active = members[: sizes[j]]
+            work = [SeqWork([s.token_ids[-1] if j == 0 else 0], s.num_tokens - 1 + j, s.block_table, slots.zero_slot)
+                    for s in active]
+            logits = e.runner.run_async(work, slots, use_lora=False, tokens=tokens,
+                                        token_src=[at(s, j - 1) for s in active] if j else None)
+            torch.argmax(logits, dim=-1, out=tokens[offsets[j] : offsets[j + 1]])
+            kept.append(logits.clone() if want_rows else None)
+            self.clock.mark()
+            self.draft_passes += 1
+        verify, src = [], []  # built while the drafting passes run
+        riding = {id(s) for s in riders}
+        for s in live:
+            if id(s) in riding:  # one more plain step, after the token of its last pass
+                verify.append(SeqWork([0], s.num_tokens - 1 + passes, s.block_table, slots.zero_slot))
+                src.append(at(s, passes - 1))
+                continue
+            m = lengths.get(id(s), 0)  # a drafter: [last, d1..dm]; prefills and undrafted adapters: as in `_cycle`
+            verify.append(e.work_item(s, [0] * m, m + 1))
+            src += [-1] * (len(verify[-1].token_ids) - m) + [at(s, j) for j in range(m)]
+        logits = e.runner.run_async(verify, slots, tokens=tokens, token_src=src)
+        torch.argmax(logits, dim=-1, out=tokens[offsets[-1] :])
+        self.clock.mark()
+        host = tokens.tolist()  # the cycle's one host sync
+        spans = self.clock.spans()
+
+        for s in riders:  # a token from each of its passes, as `_ride` commits them
+            for j in range(count[id(s)]):
+                if s.finished:
+                    break
+                s.num_computed = s.num_tokens
+                e.commit(s, host[at(s, j)], kept[j][row[id(s)]] if s.params.return_logits else None)
+        drafts = {id(s): [host[at(s, j)] for j in range(lengths[id(s)])] for s in drafters}
+        self._settle_all(live, verify, logits, drafts, {}, targets=host[offsets[-1] :])
+
+        # The passes' share of the cycle's wall time (host work included), for the gate's per-pass cost model.
+        scale = (time.perf_counter() - start) / (sum(spans) or 1.0)
+        for n, span in zip(sizes, spans):
+            self.gate.times.record("base", n, 0, span * scale)
+        distinct = len({s.adapter for s in live if s.adapter is not None})
+        self.gate.times.record("lora", sum(len(w.token_ids) for w in verify), distinct, spans[-1] * scale)
+
+    def _settle_all(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict,
+                    targets: list[int] | None = None):
+        """Commit each sequence's tokens from the verify pass (batched where the math allows). `targets`: the
+        argmax of every verify row, already on the host (greedy cycle). Sequences already finished (a rider
+        that stopped during the drafting passes) take nothing."""
         e = self.engine
-        ends = torch.tensor([w.num_logits for w in work]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(w.num_logits for w in work))
         starts = [end - w.num_logits for end, w in zip(ends, work)]
-        plain = [i for i, s in enumerate(live) if not drafts.get(id(s))]
+        plain = [i for i, s in enumerate(live) if not drafts.get(id(s)) and not s.finished]
         if plain:  # prefills, base-only riders and gated-off adapters: a plain step each
             rows = [ends[i] - 1 for i in plain]
-            tokens = sample(logits[rows], [live[i].params for i in plain], [live[i].generator for i in plain],
-                            e.generator).tolist()
+            if targets is not None and all(live[i].params.greedy for i in plain):
+                tokens = [targets[r] for r in rows]
+            else:
+                tokens = sample(logits[rows], [live[i].params for i in plain], [live[i].generator for i in plain],
+                                e.generator).tolist()
             for i, row, token in zip(plain, rows, tokens):
                 live[i].num_computed = live[i].num_tokens
-                e.commit(live[i], token, logits[row])
+                e.commit(live[i], token, logits[row] if live[i].params.return_logits else None)
         sampled = [i for i, s in enumerate(live) if drafts.get(id(s)) and not s.params.greedy]
         probs = {}
         if sampled:  # target distributions p for every verified position, in one call
@@ -147,10 +244,17 @@ class Speculator:
                 probs[i] = p_all[offset : offset + work[i].num_logits]
                 offset += work[i].num_logits
         for i, s in enumerate(live):
-            if drafts.get(id(s)):
-                rows = logits[starts[i] : ends[i]]
-                q = torch.stack(qs[id(s)]) if i in probs else None
-                self._settle(s, rows, probs.get(i, rows), q, drafts[id(s)])
+            d = drafts.get(id(s))
+            if not d:
+                continue
+            rows = logits[starts[i] : ends[i]]
+            if i in probs:
+                tokens = verify_drafts(probs[i], torch.stack(qs[id(s)]), d, s.generator, e.generator)
+            elif targets is not None:
+                tokens = accept_greedy(d, targets[starts[i] : ends[i]])
+            else:
+                tokens = verify_drafts(rows, None, d, s.generator, e.generator)
+            self._settle(s, tokens, len(d), rows if s.params.return_logits else None)
 
     def _propose(self, seqs: list[Sequence], logits: torch.Tensor, drafts: dict, qs: dict) -> None:
         if not seqs:
@@ -175,14 +279,15 @@ class Speculator:
             s.num_computed = s.num_tokens
             self.engine.commit(s, t, row)
 
-    def _settle(self, s: Sequence, rows: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, drafts: list[int]):
+    def _settle(self, s: Sequence, tokens: list[int], drafted: int, rows: torch.Tensor | None):
+        """Commit the accepted drafts and the target's token (tokens), stopping where the sequence ends.
+        rows: the verify logits, for a request that returns them (indexing costs host time per token)."""
         e = self.engine
-        tokens = verify_drafts(p, q, drafts, s.generator, e.generator)
         accepted = len(tokens) - 1
-        self.gate.adapter(s.adapter).observe(len(drafts), accepted, self.cfg.acceptance_ema)
+        self.gate.adapter(s.adapter).observe(drafted, accepted, self.cfg.acceptance_ema)
         s.num_computed = s.num_tokens  # the verify pass wrote final KV for `last`...
         for i, t in enumerate(tokens):
-            if e.commit(s, t, rows[i]):
+            if e.commit(s, t, None if rows is None else rows[i]):
                 return
             if i < accepted:  # ...and for each accepted draft; the target's own token is not in the cache yet
                 s.num_computed += 1
@@ -203,5 +308,6 @@ class Speculator:
         }
 
     def global_stats(self) -> dict:
-        return {"cycles": self.cycles, "plain_steps": self.plain_steps, "draft_passes": self.draft_passes,
+        return {"cycles": self.cycles, "greedy_cycles": self.greedy_cycles, "plain_steps": self.plain_steps,
+                "draft_passes": self.draft_passes,
                 "gate_decisions": dict(self.gate.decisions), "num_draft_tokens": self.cfg.num_draft_tokens}

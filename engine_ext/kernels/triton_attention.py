@@ -14,6 +14,8 @@ of context lengths; programs of non-leaders return at once.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -145,7 +147,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(8, 16 // group_pad), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=64, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
+        BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS)
     if splits > 1:
         _combine_kernel[(num_tokens, heads)](part, ml, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
                                              HEAD_DIM=head_dim, num_warps=1)
@@ -155,8 +157,12 @@ def paged_attention_triton(
 # Split-KV ("flash decoding"): at decode batch sizes one program per (token, KV head) leaves most of the
 # chip idle while it walks the context; splitting every context into SPLITS shares (sized at run time
 # from the context length, so one CUDA graph serves every length) keeps ~1-2 waves of programs busy.
-MAX_SPLITS = 8
+# Tuned on the H200 at the 1B shape (bench/attn_sweep.py); env overrides for sweeps.
+MAX_SPLITS = int(os.environ.get("LORASERVE_ATTN_MAX_SPLITS", "8"))
+BLOCK_N = int(os.environ.get("LORASERVE_ATTN_BLOCK_N", "64"))
+NUM_WARPS = int(os.environ.get("LORASERVE_ATTN_WARPS", "4"))
+SPLIT_BUDGET = int(os.environ.get("LORASERVE_ATTN_SPLIT_BUDGET", "4096"))
 
 
 def kv_splits(num_tokens: int, kv_heads: int) -> int:
-    return max(1, min(MAX_SPLITS, triton.next_power_of_2(max(1, 4096 // (num_tokens * kv_heads)))))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(max(1, SPLIT_BUDGET // (num_tokens * kv_heads)))))

@@ -29,8 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-_NORM_CHUNK = 256  # K chunk of one add_rms_norm program (its share of the row and of the shrink)
+_NORM_CHUNK = 128  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
 _SILU_BLOCK = 1024  # columns of one silu_mul program
+_SILU_LORA_BLOCK = 256  # ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
+# The fused LoRA path re-reads an adapter's tiles for every token (no run sharing), which pays at decode
+# (one token per sequence) but not for verify passes (k+1 tokens per sequence): above this many tokens in
+# a forward the model applies LoRA with the group op (run-tiled split kernels) instead.
+MAX_FUSED_LORA_TOKENS = 64
 
 
 @triton.jit
@@ -274,7 +279,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
     if gate_up.stride(1) != 1:
         raise ValueError("silu_mul needs unit stride along the feature dimension")
     out = torch.empty(num_tokens, n, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(_SILU_BLOCK, triton.next_power_of_2(n))
+    block = min(_SILU_BLOCK if lora is None else _SILU_LORA_BLOCK, triton.next_power_of_2(n))
     nblocks = triton.cdiv(n, block)
     dpart = None
     if lora is not None:
@@ -301,6 +306,7 @@ class TritonOps:
     """model.TorchOps' contract, in the fused kernels above; `fuses_lora`: the model passes LoRA arguments."""
 
     fuses_lora = True
+    max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
     add_rms_norm = staticmethod(add_rms_norm)
     rope_write_kv = staticmethod(rope_write_kv)
     silu_mul = staticmethod(silu_mul)

@@ -21,10 +21,17 @@ def test_acceptance_counts_only_judged_drafts():
     assert acc.rate == 5 / 6 and acc.ema == 1.0
 
 
+def measure(gate_or_times, kind, tokens, adapters, seconds):
+    """Two samples: the first at a shape is dropped as one-off costs."""
+    times = getattr(gate_or_times, "times", gate_or_times)
+    for _ in range(2):
+        times.record(kind, tokens, adapters, seconds)
+
+
 def test_draft_length_follows_acceptance_and_cost():
     gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
-    gate.times.record("base", 8, 0, 0.010)
-    gate.times.record("lora", 8, 2, 0.020)
+    measure(gate, "base", 8, 0, 0.010)
+    measure(gate, "lora", 8, 2, 0.020)
     gate.adapter("close").ema, gate.adapter("far").ema, gate.adapter("mid").ema = 0.98, 0.1, 0.6
     lengths = gate.draft_lengths(["close", "far", "mid"], [4, 4, 4], batch=8)
     assert lengths[0] == 4 and lengths[1] == 0 and 0 < lengths[2] < 4
@@ -34,27 +41,42 @@ def test_draft_length_follows_acceptance_and_cost():
 def test_decide_compares_measured_rates():
     gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
     gate.adapter("x").ema = 0.9
-    gate.times.record("base", 2, 0, 0.010)
-    gate.times.record("lora", 2, 1, 0.040)  # adapters are expensive: speculation pays
-    gate.times.record("lora", 6, 1, 0.045)
+    measure(gate, "base", 2, 0, 0.010)
+    measure(gate, "lora", 2, 1, 0.040)  # adapters are expensive: speculation pays
+    measure(gate, "lora", 6, 1, 0.045)
     assert gate.decide(["x", "x"], [2, 2], num_base=0)
     slow = Gate(SpecConfig(num_draft_tokens=2, gate=True))
     slow.adapter("x").ema = 0.9
-    slow.times.record("base", 2, 0, 0.040)
-    slow.times.record("lora", 2, 1, 0.041)  # adapters nearly free and drafting slow: plain wins
-    slow.times.record("lora", 6, 1, 0.120)
+    measure(slow, "base", 2, 0, 0.040)
+    measure(slow, "lora", 2, 1, 0.041)  # adapters nearly free and drafting slow: plain wins
+    measure(slow, "lora", 6, 1, 0.120)
     assert not slow.decide(["x", "x"], [2, 2], num_base=0)
     assert gate.decisions["speculate"] == 1 and slow.decisions["plain_cost"] == 1
 
 
+def test_plain_step_measured_before_plain_is_priced():
+    """Only a verify-sized adapter-on pass is measured: plain decoding is not priced at that (larger) pass's
+    cost, which would keep the gate speculating without ever measuring plain; one plain step measures it."""
+    gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+    gate.adapter("x").ema = 0.9
+    measure(gate, "base", 2, 0, 0.010)
+    measure(gate, "lora", 6, 1, 0.045)
+    assert not gate.decide(["x", "x"], [2, 2], num_base=0)
+    assert gate.decisions["plain_explore"] == 1
+    measure(gate, "lora", 2, 1, 0.012)  # plain is cheap here: 2 tokens / 12 ms beat 5.4 tokens / 65 ms
+    assert not gate.decide(["x", "x"], [2, 2], num_base=0)
+    assert gate.decisions["plain_cost"] == 1
+
+
 def test_step_times_fall_back_to_nearest_bucket():
     t = StepTimes()
+    t.record("lora", 4, 1, 5.0)  # the first pass at a shape (one-off costs): not a measurement
     assert t.get("lora", 4, 1) is None
-    t.record("lora", 4, 1, 0.01)
+    measure(t, "lora", 4, 1, 0.01)
     assert t.get("lora", 4, 1) == 0.01 and t.get("lora", 16, 1) == 0.01 and t.get("lora", 2, 8) == 0.01
-    t.record("lora", 16, 1, 0.03)
+    measure(t, "lora", 16, 1, 0.03)
     assert t.get("lora", 16, 1) == 0.03 and t.get("lora", 32, 1) == 0.03 and t.get("lora", 4, 1) == 0.01
-    assert t.get("base", 4, 0) is None
+    assert t.get("base", 4, 0) is None and t.get("lora", 32, 1, exact=True) is None
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +106,20 @@ def test_gate_turns_drafting_off_for_far_and_on_for_close_adapters(model, adapte
         assert acceptance > 0.9 and passes > 0 and decisions.get("speculate", 0) > 0
     else:
         assert acceptance < 0.3 and passes == 0 and decisions.get("plain_low_acceptance", 0) > 0
+
+
+def test_greedy_cycles_feed_the_per_pass_cost_model(model):
+    """A greedy cycle is timed as a whole (its passes are queued without a host sync); its time is split over
+    its passes, so the gate sees base-only and verify pass times as before."""
+    path, adapters = model
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=SpecConfig(num_draft_tokens=3,
+                                                                                            gate=False)))
+    engine.add_adapter("close", adapters["close"])
+    prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
+    engine.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, ignore_eos=True),
+                    adapter_names=["close"] * 4)
+    spec = engine.stats()["speculative"]
+    assert spec["greedy_cycles"] == spec["cycles"] > 0
+    times = engine.speculator.gate.times
+    assert times.get("base", 4, 0, exact=True) > 0  # 4 sequences drafting
+    assert times.get("lora", 16, 1, exact=True) > 0  # verify: 4 x (last + 3 drafts)

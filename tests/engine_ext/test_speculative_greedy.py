@@ -1,9 +1,13 @@
-"""Speculative LoRA-off drafting is lossless under greedy decoding: token-for-token the plain output."""
+"""Speculative LoRA-off drafting is lossless under greedy decoding: token-for-token the plain output.
+Greedy batches take the one-sync cycle (every pass's ids gathered on the device); a sampled request in
+the batch sends a cycle down the pass-by-pass path, and both give the plain output."""
 
 import pytest
+import torch
 
 from char_tokenizer import add_char_tokenizer
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine_ext.batch import SeqWork
 from tiny_models import build_adapter, build_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -50,6 +54,12 @@ def test_identical_to_plain_for_every_draft_length(setup, k):
     near = stats["adapters"]["near-r8"]
     assert near["accepted_tokens"] > 0 and near["drafted_tokens"] >= near["accepted_tokens"]
     assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
+    assert_all_cycles_greedy(engine)
+
+
+def assert_all_cycles_greedy(engine):
+    spec = engine.stats()["speculative"]
+    assert spec["greedy_cycles"] == spec["cycles"]
 
 
 def test_identical_under_preemption(setup):
@@ -57,7 +67,90 @@ def test_identical_under_preemption(setup):
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=4, gate=False), num_kv_blocks=16)
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
     assert [o.token_ids for o in outs] == expected
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats()["num_preemptions"] > 0 and engine.stats()["speculative"]["cycles"] > 0
+    assert_all_cycles_greedy(engine)
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_riders_stopping_inside_a_cycle(setup, k):
+    """A base-only rider's stop shows only after the cycle's sync: the tokens it computed past the stop are
+    dropped, and everything else is as in plain decoding."""
+    model, adapters, expected = setup
+    params = []
+    for tokens, name in zip(expected, NAMES):
+        first_new = [i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i]]
+        stop = [tokens[first_new[0]]] if name is None and first_new else []
+        params.append(SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=stop))
+    assert any(p.stop_token_ids for p in params)
+    plain = make_engine(model, adapters, None).generate(prompt_token_ids=PROMPTS, sampling_params=params,
+                                                         adapter_names=NAMES)
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=k, gate=False))
+    spec = engine.generate(prompt_token_ids=PROMPTS, sampling_params=params, adapter_names=NAMES)
+    assert [(o.token_ids, o.finish_reason) for o in spec] == [(o.token_ids, o.finish_reason) for o in plain]
+    assert any(o.finish_reason == "stop" and o.adapter is None for o in spec)
+    assert_all_cycles_greedy(engine)
+    assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
+
+
+def test_identical_with_different_draft_lengths_per_adapter(setup):
+    model, adapters, expected = setup
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=5, gate=False))
+    length = {"near-r8": 1, "mid-r16": 3, "far-r64": 0, "near-r32-rslora": 5}
+    engine.speculator.gate.draft_lengths = lambda names, caps, batch: [min(c, length[n]) for n, c in zip(names, caps)]
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == expected
+    stats = engine.stats()
+    assert_all_cycles_greedy(engine)
+    for name, m in length.items():
+        ad = stats["adapters"][name]
+        assert ad["drafted_tokens"] <= m * (ad.get("verifies") or 0)
+        assert (ad["drafted_tokens"] > 0) == (m > 0)
+
+
+def test_sampled_request_takes_the_pass_by_pass_cycle(setup):
+    """A sampled drafter or rider sends its cycles down the pass-by-pass path; once it has finished the
+    greedy ones take the one-sync cycle again, and greedy output is the plain output throughout."""
+    model, adapters, expected = setup
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False))
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    outs = engine.generate(prompt_token_ids=PROMPTS + [[2, 4, 6], [8, 6, 4]],
+                           sampling_params=[PARAMS] * len(PROMPTS) + [sampled, sampled],
+                           adapter_names=NAMES + ["near-r8", None])
+    assert [o.token_ids for o in outs[: len(PROMPTS)]] == expected
+    assert [len(o.token_ids) for o in outs[len(PROMPTS) :]] == [6, 6]
+    spec = engine.stats()["speculative"]
+    assert 0 < spec["greedy_cycles"] < spec["cycles"]
+
+
+def test_returned_logits_match_plain_decoding(setup):
+    model, adapters, _ = setup
+    params = SamplingParams(max_tokens=9, ignore_eos=True, return_logits=True)
+    names = ["near-r8", None, "mid-r16"]
+    plain = make_engine(model, adapters, None).generate(prompt_token_ids=PROMPTS[:3], sampling_params=params,
+                                                         adapter_names=names)
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False))
+    spec = engine.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params, adapter_names=names)
+    assert_all_cycles_greedy(engine)
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_run_async_reads_input_ids_from_the_device(setup):
+    """The runner API the one-sync cycle is built on: token ids taken from a device tensor at run time."""
+    model, adapters, _ = setup
+    engine = make_engine(model, adapters, None)
+    runner, slots = engine.runner, engine.adapters.slots
+    engine.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(max_tokens=1), adapter_names=["near-r8"])
+    lora = engine.adapters.slot_of("near-r8")
+    prefill = [SeqWork([1, 2, 3, 4, 5], 0, [0, 1, 2], lora), SeqWork([7, 8, 9], 0, [3, 4], slots.zero_slot)]
+    runner.run(prefill, slots)
+    tokens = torch.tensor([50, 61, 72, 83])
+    work = [SeqWork([0, 9, 0], 5, [0, 1, 2], lora, num_logits=3), SeqWork([0], 3, [3, 4], slots.zero_slot)]
+    got = runner.run_async(work, slots, tokens=tokens, token_src=[2, -1, 0, 3])
+    runner.run(prefill, slots)  # the same cache state again
+    work = [SeqWork([72, 9, 50], 5, [0, 1, 2], lora, num_logits=3), SeqWork([83], 3, [3, 4], slots.zero_slot)]
+    torch.testing.assert_close(got, runner.run(work, slots), rtol=0, atol=0)
 
 
 def test_identical_with_gate_on(setup):
@@ -69,7 +162,7 @@ def test_identical_with_gate_on(setup):
     assert decisions and sum(decisions.values()) <= engine.stats()["num_steps"]
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 7, 10])
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 6, 7, 10])
 def test_max_tokens_inside_accepted_run(setup, max_tokens):
     model, adapters, _ = setup
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -77,10 +170,11 @@ def test_max_tokens_inside_accepted_run(setup, max_tokens):
     prompts = PROMPTS[:3]
     plain = make_engine(model, adapters, None).generate(prompt_token_ids=prompts, sampling_params=params,
                                                          adapter_names=names)
-    spec = make_engine(model, adapters, SpecConfig(num_draft_tokens=6, gate=False)).generate(
-        prompt_token_ids=prompts, sampling_params=params, adapter_names=names)
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=6, gate=False))
+    spec = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=names)
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids and len(b.token_ids) == max_tokens and b.finish_reason == "length"
+    assert_all_cycles_greedy(engine)
 
 
 @pytest.fixture(scope="module", params=[1, 3])
@@ -112,6 +206,7 @@ def test_stop_strings_and_tokens_inside_accepted_runs(text_setup):
         assert [t for o in streamed for t in o.new_token_ids] == a.token_ids  # same tokens, same order
         assert "".join(o.delta_text for o in streamed) == a.text
         assert spec_engine.stats()["adapters"]["near"]["mean_accepted_length"] > 1  # runs were accepted
+        assert_all_cycles_greedy(spec_engine)
 
 
 def stream(engine, prompt, params):
