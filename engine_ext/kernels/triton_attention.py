@@ -154,14 +154,16 @@ def paged_attention_triton(
     return out
 
 
-# Split-KV ("flash decoding"): at decode batch sizes one program per (token, KV head) leaves most of the
-# chip idle while it walks the context; splitting every context into SPLITS shares (sized at run time
-# from the context length, so one CUDA graph serves every length) keeps ~1-2 waves of programs busy.
-# Tuned on the H200 at the 1B shape (bench/attn_sweep.py); env overrides for sweeps.
+# Split-KV ("flash decoding"): at small batches one program per (token, KV head) leaves most of the chip
+# idle while it walks the context; splitting every context into SPLITS shares (sized at run time from the
+# context length, so one CUDA graph serves every length) keeps more programs busy. Measured on the H200
+# (bench/attn_sweep.py, 1B shape, context 512): it pays at batch 1 (1.33 -> 1.15 ms per step) and costs at
+# batch 32 (no split: 0.31 ms for 16 layers; 4 splits 0.35; 8 splits 0.42), hence the small budget.
+# Launch settings (bench/attn_sweep.py); the environment overrides them for sweeps.
 MAX_SPLITS = int(os.environ.get("LORASERVE_ATTN_MAX_SPLITS", "8"))
 BLOCK_N = int(os.environ.get("LORASERVE_ATTN_BLOCK_N", "64"))
 NUM_WARPS = int(os.environ.get("LORASERVE_ATTN_WARPS", "4"))
-SPLIT_BUDGET = int(os.environ.get("LORASERVE_ATTN_SPLIT_BUDGET", "4096"))
+SPLIT_BUDGET = int(os.environ.get("LORASERVE_ATTN_SPLIT_BUDGET", "256"))
 
 
 def kv_splits(num_tokens: int, kv_heads: int) -> int:
