@@ -148,29 +148,46 @@ class Gate:
         return self.acceptance[name]
 
     def draft_lengths(self, adapters: list[str], caps: list[int], batch: int) -> list[int]:
-        """Per adapter sequence, a draft length in 0..min(k, cap) maximising tokens per unit of cost."""
+        """Per adapter sequence, a draft length in 0..min(k, cap).
+
+        A cycle costs max(lengths) base passes plus one verify pass, so every adapter worth drafting for
+        drafts the same number of passes M (extra verify tokens are cheap beside the passes every adapter
+        shares); M in 1..k maximises the cost model's predicted tokens per second (measured pass times,
+        per-adapter acceptance). Adapters below `min_acceptance` draft nothing (one token when a long run
+        of plain steps calls for a re-measure). With nothing measured yet, M = 1: the cheapest cycle
+        that measures both pass kinds."""
         k = self.cfg.num_draft_tokens
         if not self.cfg.gate:
             return [min(k, c) for c in caps]
-        # A long run of plain steps re-measures drafting once with the neutral prior.
-        probing = self.probe_interval and self.plain_streak >= self.probe_interval
-        ratio = 0.5 if probing else self._draft_cost_ratio(batch, len(set(adapters)))
-        out = []
-        for name, cap in zip(adapters, caps):
-            acc = self.adapter(name)
-            if acc.ema < self.cfg.min_acceptance:
-                probing = self.probe_interval and acc.idle_steps >= self.probe_interval
-                out.append(min(1, cap) if probing else 0)
-                continue
-            best = max(range(k + 1), key=lambda m: expected_tokens(acc.ema, m) / (1.0 + m * ratio))
-            out.append(min(best, cap))
-        return out
+        low = [self.adapter(n).ema < self.cfg.min_acceptance for n in adapters]
+        relearn = [bool(self.probe_interval) and self.adapter(n).idle_steps >= self.probe_interval for n in adapters]
 
-    def _draft_cost_ratio(self, batch: int, distinct: int) -> float:
-        """Cost of one base-only pass relative to one adapter-on pass at this batch (0.5 until measured)."""
-        base = self.times.get("base", batch, 0)
-        lora = self.times.get("lora", batch, distinct)
-        return base / lora if base and lora else 0.5
+        def lengths(passes: int) -> list[int]:
+            return [min(1 if lo else passes, cap) if not lo or again else 0
+                    for lo, again, cap in zip(low, relearn, caps)]
+
+        if self.probe_interval and self.plain_streak >= self.probe_interval:
+            return lengths(1)  # a long run of plain steps re-measures drafting with the cheapest cycle
+        num_base = batch - len(adapters)
+        best, best_rate = 1, None
+        for passes in range(1, k + 1):
+            rate = self.predicted_rate(adapters, lengths(passes), num_base)
+            if rate is not None and (best_rate is None or rate > best_rate):
+                best, best_rate = passes, rate
+        return lengths(best)
+
+    def predicted_rate(self, adapters: list[str], lengths: list[int], num_base: int) -> float | None:
+        """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured)."""
+        passes = max(lengths, default=0)
+        if not passes:
+            return None
+        batch, distinct = len(adapters) + num_base, len(set(adapters))
+        t_base = self.times.get("base", batch, 0)
+        t_verify = self.times.get("lora", sum(m + 1 for m in lengths) + num_base, distinct)
+        if t_base is None or t_verify is None:
+            return None
+        gained = sum(expected_tokens(self.adapter(a).ema, m) for a, m in zip(adapters, lengths))
+        return (gained + num_base * (passes + 1)) / (passes * t_base + t_verify)
 
     def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None) -> bool:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);
@@ -190,22 +207,17 @@ class Gate:
         if self.probe_interval and self.plain_streak >= self.probe_interval:
             self._count("speculate_probe", f"{self.plain_streak} plain steps in a row: re-measure drafting")
             return True
-        passes = max(lengths)
-        t_base = self.times.get("base", batch, 0)
         # Exact, not the nearest bucket: the nearest adapter-on pass is usually a (larger) verify pass, which
         # would make plain look slower than it is, and speculation would then never measure plain. A plain
         # step is the cheapest exploration there is.
         t_plain = self.times.get("lora", batch, distinct, exact=True)
-        verify_tokens = sum(m + 1 for m in lengths) + num_base
-        t_verify = self.times.get("lora", verify_tokens, distinct)
-        if t_base is None or t_verify is None:
+        spec_rate = self.predicted_rate(adapters, lengths, num_base)
+        if spec_rate is None:
             self._count("speculate_explore", "no base-only or adapter-on pass measured yet")
             return True
         if t_plain is None:
             self._count("plain_explore", "plain step time at this batch not measured yet")
             return False
-        gained = sum(expected_tokens(self.adapter(a).ema, m) for a, m in zip(adapters, lengths))
-        spec_rate = (gained + num_base * (passes + 1)) / (passes * t_base + t_verify)
         plain_rate = (len(lengths) + num_base) / t_plain
         if spec_rate > plain_rate:
             self._count("speculate", f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")

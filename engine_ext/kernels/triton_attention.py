@@ -68,6 +68,8 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
             page = tl.load(tables_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
             kv_off = page * stride_kb + (offs_n % PAGE) * stride_ks + kvh * stride_kh
             k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            # V is issued with K, so both loads are in flight while the scores are computed
+            v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
             if IEEE:  # float32 caches: full-precision products, not tf32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
@@ -81,7 +83,6 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:

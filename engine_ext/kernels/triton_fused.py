@@ -29,13 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-_NORM_CHUNK = 128  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
+_NORM_CHUNK = 256  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
 _SILU_BLOCK = 1024  # columns of one silu_mul program
-_SILU_LORA_BLOCK = 256  # ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
+_SILU_LORA_BLOCK = 1024  # ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
 # The fused LoRA path re-reads an adapter's tiles for every token (no run sharing), which pays at decode
 # (one token per sequence) but not for verify passes (k+1 tokens per sequence): above this many tokens in
 # a forward the model applies LoRA with the group op (run-tiled split kernels) instead.
-MAX_FUSED_LORA_TOKENS = 64
+MAX_FUSED_LORA_TOKENS = 32  # measured: a k=1 verify at batch 32 (64 tokens) costs 2.85 ms fused, split less
 
 
 @triton.jit
@@ -133,19 +133,25 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 @triton.jit
-def _expand_row(part_ptr, b_ptr, scale_ptr, slot, t, seg, R, col0, col_end, num_splits, stride_ps, stride_pt,
-                stride_bs, stride_br, stride_ss, NCOL: tl.constexpr, BLOCK_R: tl.constexpr, dt: tl.constexpr):
-    """delta[c] = (sum_s part[s, t, seg*R:(seg+1)*R] * scale[slot, seg]) @ B[slot, :, col0 + c], for
-    c < NCOL and col0 + c < col_end (fp32; zero beyond col_end)."""
+def _lora_row(part_ptr, scale_ptr, slot, t, seg, R, num_splits, stride_ps, stride_pt, stride_ss,
+              SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, dt: tl.constexpr):
+    """(sum_s part[s, t, seg*R:(seg+1)*R]) * scale[slot, seg], rounded to dt (as the expand's input): [BLOCK_R]
+    fp32. All splits in one 2-D load (a loop over them would wait on each load in turn)."""
+    offs_s = tl.arange(0, SPLITS)
     offs_r = tl.arange(0, BLOCK_R)
-    mr = offs_r < R
-    s = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for sp in range(0, num_splits):
-        s += tl.load(part_ptr + sp * stride_ps + t * stride_pt + seg * R + offs_r, mask=mr, other=0.0)
-    s = _rnd(s * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32), dt)
+    mask = (offs_s[:, None] < num_splits) & (offs_r[None, :] < R)
+    parts = tl.load(part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + seg * R + offs_r[None, :], mask=mask,
+                    other=0.0)
+    return _rnd(tl.sum(parts, axis=0) * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32), dt)
+
+
+@triton.jit
+def _expand_row(s, b_ptr, slot, R, col0, col_end, stride_bs, stride_br, NCOL: tl.constexpr, BLOCK_R: tl.constexpr):
+    """delta[c] = s @ B[slot, :, col0 + c] for c < NCOL and col0 + c < col_end (fp32; zero beyond col_end)."""
+    offs_r = tl.arange(0, BLOCK_R)
     offs_c = col0 + tl.arange(0, NCOL)
     bv = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_c[None, :],
-                 mask=mr[:, None] & (offs_c[None, :] < col_end), other=0.0)
+                 mask=(offs_r[:, None] < R) & (offs_c[None, :] < col_end), other=0.0)
     return tl.sum(s[:, None] * bv.to(tl.float32), axis=0)
 
 
@@ -154,7 +160,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
                           stride_t, stride_c, stride_s, stride_kb, stride_ks, stride_kh,
                           part_ptr, b_ptr, scale_ptr, lslots_ptr, R, num_splits, skip_slot,
                           stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
-                          PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr):
+                          PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
+                          SPLITS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF)
@@ -167,10 +174,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
         if lslot != skip_slot:
             seg = (h >= num_heads).to(tl.int32) + (h >= num_heads + num_kv_heads).to(tl.int32)
             col = h * (2 * HALF)
-            d1 = _expand_row(part_ptr, b_ptr, scale_ptr, lslot, t, seg, R, col, col + HALF, num_splits, stride_ps,
-                             stride_pt, stride_bs, stride_br, stride_ss, HALF, BLOCK_R, dt)
-            d2 = _expand_row(part_ptr, b_ptr, scale_ptr, lslot, t, seg, R, col + HALF, col + 2 * HALF, num_splits,
-                             stride_ps, stride_pt, stride_bs, stride_br, stride_ss, HALF, BLOCK_R, dt)
+            s = _lora_row(part_ptr, scale_ptr, lslot, t, seg, R, num_splits, stride_ps, stride_pt, stride_ss,
+                          SPLITS, BLOCK_R, dt)
+            d1 = _expand_row(s, b_ptr, lslot, R, col, col + HALF, stride_bs, stride_br, HALF, BLOCK_R)
+            d2 = _expand_row(s, b_ptr, lslot, R, col + HALF, col + 2 * HALF, stride_bs, stride_br, HALF, BLOCK_R)
             x1 = (x1.to(tl.float32) + d1).to(dt)
             x2 = (x2.to(tl.float32) + d2).to(dt)
     if h < num_heads + num_kv_heads:
@@ -225,7 +232,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            num_warps=1 if lora is None else 2)
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), num_warps=1 if lora is None else 2)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 
@@ -234,7 +241,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, R, num_splits, R2, skip_slot,
                      stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
                      stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_R2: tl.constexpr):
+                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -245,16 +252,21 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         do_lora = slot != skip_slot
     offs_r2 = tl.arange(0, BLOCK_R2)
     dacc = tl.zeros([BLOCK_R2], dtype=tl.float32)
+    sg = tl.zeros([BLOCK_R], dtype=tl.float32)
+    su = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if do_lora:
+        sg = _lora_row(part_ptr, scale_ptr, slot, row, 0, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
+                       BLOCK_R, dt)
+        su = _lora_row(part_ptr, scale_ptr, slot, row, 1, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
+                       BLOCK_R, dt)
     for c0 in range(0, BLOCK, SB):
         cols = nb * BLOCK + c0 + tl.arange(0, SB)
         m = cols < N
         g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
         u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0)
         if do_lora:
-            dg = _expand_row(part_ptr, b_ptr, scale_ptr, slot, row, 0, R, nb * BLOCK + c0, N, num_splits,
-                             stride_ps, stride_pt, stride_bs, stride_br, stride_ss, SB, BLOCK_R, dt)
-            du = _expand_row(part_ptr, b_ptr, scale_ptr, slot, row, 1, R, N + nb * BLOCK + c0, 2 * N, num_splits,
-                             stride_ps, stride_pt, stride_bs, stride_br, stride_ss, SB, BLOCK_R, dt)
+            dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
+            du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
             g = (g.to(tl.float32) + dg).to(dt)
             u = (u.to(tl.float32) + du).to(dt)
         gf = g.to(tl.float32)
@@ -298,7 +310,8 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
     if num_tokens:
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
-                                                BLOCK_R2=block_r2, num_warps=4)
+                                                BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
+                                                num_warps=4)
     return out, dpart
 
 

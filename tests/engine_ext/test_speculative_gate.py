@@ -34,8 +34,27 @@ def test_draft_length_follows_acceptance_and_cost():
     measure(gate, "lora", 8, 2, 0.020)
     gate.adapter("close").ema, gate.adapter("far").ema, gate.adapter("mid").ema = 0.98, 0.1, 0.6
     lengths = gate.draft_lengths(["close", "far", "mid"], [4, 4, 4], batch=8)
-    assert lengths[0] == 4 and lengths[1] == 0 and 0 < lengths[2] < 4
+    # Every adapter worth drafting for drafts the cycle's passes (its extra verify tokens are cheap); the far one none.
+    assert lengths == [4, 0, 4]
     assert gate.draft_lengths(["close"], [2], batch=8) == [2]  # never past the sequence's end
+
+
+def test_draft_passes_maximise_the_predicted_rate():
+    # Base passes nearly as dear as an adapter-on pass: one drafting pass is the best cycle.
+    dear = Gate(SpecConfig(num_draft_tokens=4, gate=True))
+    measure(dear, "base", 8, 0, 0.019)
+    measure(dear, "lora", 8, 2, 0.020)
+    dear.adapter("a").ema = dear.adapter("b").ema = 0.5
+    assert dear.draft_lengths(["a", "b"], [4, 4], batch=8) == [1, 1]
+    # Cheap base passes, but a verify pass that turns dear past 8 tokens: three passes (8 verify tokens) win.
+    gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
+    measure(gate, "base", 2, 0, 0.002)
+    for tokens, seconds in ((2, 0.010), (4, 0.011), (8, 0.012), (16, 0.060)):
+        measure(gate, "lora", tokens, 2, seconds)
+    gate.adapter("a").ema = gate.adapter("b").ema = 0.9
+    assert gate.draft_lengths(["a", "b"], [4, 4], batch=2) == [3, 3]
+    rates = {m: gate.predicted_rate(["a", "b"], [m, m], 0) for m in range(1, 5)}
+    assert max(rates, key=rates.get) == 3
 
 
 def test_decide_compares_measured_rates():
