@@ -141,7 +141,9 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compile the kernels (and the model) outside any capture
             for use_lora in (False, True):
-                for bucket in sorted({self.buckets[-1], self.buckets[0], self.buckets[len(self.buckets) // 2]}):
+                # Every bucket once: a kernel specialised on a size (split counts, tiles) compiles here, never
+                # inside a capture, where loading a module is not permitted.
+                for bucket in self.buckets:
                     self._forward(bucket, use_lora)
         torch.cuda.current_stream(self.device).wait_stream(side)
         for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory

@@ -79,8 +79,7 @@ def _segment(nb, BLOCK_N: tl.constexpr, SEG1, SEG2):
 @triton.jit
 def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_splits, skip_slot, SEG1, SEG2,
                    stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt,
-                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
@@ -88,17 +87,10 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_sp
         seg = _segment(nb, BLOCK_N, SEG1, SEG2)
         offs_r = tl.arange(0, BLOCK_R)
         mr = offs_r < R
-        if SPLITS * BLOCK_T * BLOCK_R <= 8192:  # every split's partial in one load (a loop waits on each)
-            offs_s = tl.arange(0, SPLITS)
-            ptrs = (part_ptr + offs_s[:, None, None] * stride_ps + offs_t[None, :, None] * stride_pt + seg * R
-                    + offs_r[None, None, :])
-            mask = (offs_s[:, None, None] < num_splits) & rows[None, :, None] & mr[None, None, :]
-            s = tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
-        else:
-            s = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-            for sp in range(0, num_splits):
-                s += tl.load(part_ptr + sp * stride_ps + offs_t[:, None] * stride_pt + seg * R + offs_r[None, :],
-                             mask=rows[:, None] & mr[None, :], other=0.0)
+        s = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        for sp in range(0, num_splits):
+            s += tl.load(part_ptr + sp * stride_ps + offs_t[:, None] * stride_pt + seg * R + offs_r[None, :],
+                         mask=rows[:, None] & mr[None, :], other=0.0)
         s = s * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = offs_n < N
@@ -202,8 +194,7 @@ def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: tor
         _expand_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
             part, b, scale, slots, y, num_tokens, fan_out, rank, part.shape[0], skip_slot, seg1, seg2,
             part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), y.stride(0),
-            BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
-            SPLITS=triton.next_power_of_2(part.shape[0]), num_warps=4)
+            BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32, num_warps=4)
 
 
 def lora_fused(y, x, a, b, scale, slots, skip_slot: int, segments: tuple[int, ...] = (0,)) -> None:
