@@ -45,7 +45,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     lora_backend: str = "torch"  # name of the batched LoRA op (see lora_ops.py); "triton" on a GPU
-    attn_backend: str = "torch"  # paged attention kernel (see attention.py); "triton" on a GPU
+    # Paged attention kernel (see attention.py); "triton" on a GPU, which also runs the layer's element-wise
+    # work (norms, rotary + KV write, SiLU) as fused Triton kernels, with the LoRA math of decode-sized
+    # forwards folded into them when lora_backend is "triton" too (kernels/triton_fused.py).
+    attn_backend: str = "torch"
     # CUDA graphs for decode-shaped forwards of up to `max_graph_tokens` tokens (cuda_graphs.py);
     # needs a CUDA device and attn_backend "triton". Keep max_model_len modest: block tables are static.
     cuda_graphs: bool = False
