@@ -10,6 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import graph_ms  # noqa: E402
 from engine_ext.attention import AttnMetadata  # noqa: E402
 from engine_ext.kernels import triton_attention as ta  # noqa: E402
 
@@ -29,20 +30,8 @@ def case(seqs, per_seq, ctx=512, page=16, heads=32, kvh=8, d=64):
 
 
 def time_it(q, caches, meta):
-    fn = lambda: [ta.paged_attention_triton(q, caches[0], caches[1], meta, 0.125) for _ in range(16)]  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(20):
-        graph.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / 20
+    """16 calls (one per layer) in one CUDA graph."""
+    return graph_ms(lambda: [ta.paged_attention_triton(q, caches[0], caches[1], meta, 0.125) for _ in range(16)])
 
 
 def main():

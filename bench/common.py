@@ -109,3 +109,20 @@ def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores (torch {torch.__version__})"
+
+
+def graph_ms(fn, iters: int = 20) -> float:
+    """GPU milliseconds of one call of `fn`: run once (compiles), capture it in a CUDA graph, time replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters

@@ -3,8 +3,9 @@
 distinct adapters' weights take (the floor at 4.3 TB/s). Prints JSON.
 
     python bench/lora_kernels.py
-Variants: "per-module" (seven shrink+expand pairs per layer), "split" (one shrink+expand pair per
-group), "fused" (one launch per group: shrink and expand in one kernel).
+Variants: "per-module" (seven shrink+expand pairs per layer), "group" (one shrink+expand pair per
+group). A third, one launch per group (shrink and expand in one kernel, each column tile re-reading
+its adapter's A), was measured slower at every point and removed (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import graph_ms  # noqa: E402
 from engine_ext.kernels import triton_lora  # noqa: E402
 
 HBM = 4.3e12
@@ -47,24 +49,7 @@ def run_variant(variant, st, xs, ys, idx):
                     triton_lora.add_lora_triton(y[:, lo:hi], x, a[layer][:, :, s * r:(s + 1) * r],
                                                 b[layer][:, :, lo:hi], scale[layer][:, s], idx)
             else:
-                triton_lora.GROUP_KERNEL = variant
                 triton_lora.add_lora_group_triton(y, x, a[layer], b[layer], scale[layer], idx, segs)
-
-
-def time_graph(fn, iters=50):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
@@ -78,11 +63,10 @@ def main():
             xs = {n: torch.randn(tokens, fin, device="cuda", generator=g).bfloat16() for n, (fin, _) in GROUPS.items()}
             ys = {n: torch.zeros(tokens, sum(outs), device="cuda").bfloat16() for n, (_, outs) in GROUPS.items()}
             row = {"rank": rank, "tokens": tokens, "distinct": 32, "bytes_floor_ms": 32 * per_adapter / HBM * 1e3}
-            for variant in ("per-module", "split", "fused"):
-                row[variant + "_ms"] = time_graph(lambda: run_variant(variant, st, xs, ys, idx))
+            for variant in ("per-module", "group"):
+                row[variant + "_ms"] = graph_ms(lambda: run_variant(variant, st, xs, ys, idx), 50)
             results.append(row)
             print(json.dumps(row), flush=True)
-    triton_lora.GROUP_KERNEL = "split"
     print(json.dumps(results))
 
 

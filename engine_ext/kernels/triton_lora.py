@@ -106,48 +106,6 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_sp
         tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _fused_kernel(x_ptr, a_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, K, N, R, skip_slot, SEG1, SEG2,
-                  stride_xt, stride_as, stride_ak, stride_bs, stride_br, stride_ss, stride_yt,
-                  BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """Shrink and expand in one launch: the leader of a run shrinks over all of K with its segment's
-    A columns (re-read from L2 by the other column tiles of the run), then expands its column tile."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
-    if leader & (slot != skip_slot):
-        seg = _segment(nb, BLOCK_N, SEG1, SEG2)
-        offs_r = tl.arange(0, BLOCK_R)
-        mr = offs_r < R
-        a_base = a_ptr + slot * stride_as + seg * R
-        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < K
-            xv = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
-                         mask=rows[:, None] & mk[None, :], other=0.0)
-            av = tl.load(a_base + offs_k[:, None] * stride_ak + offs_r[None, :], mask=mk[:, None] & mr[None, :],
-                         other=0.0)
-            if IEEE:
-                acc += tl.dot(xv, av, input_precision="ieee")
-            else:
-                acc += tl.dot(xv, av)
-        acc = acc * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32)
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        mn = offs_n < N
-        bv = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
-                     mask=mr[:, None] & mn[None, :], other=0.0)
-        if IEEE:
-            delta = tl.dot(acc, bv, input_precision="ieee")
-        else:
-            delta = tl.dot(acc.to(bv.dtype), bv)
-        y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
-        mask = rows[:, None] & mn[None, :]
-        yv = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
     """(BLOCK_R, the other tile side) with about `budget` fp32 elements per tile (64 registers a thread)."""
     block_r = max(16, triton.next_power_of_2(rank))
@@ -197,26 +155,6 @@ def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: tor
             BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32, num_warps=4)
 
 
-def lora_fused(y, x, a, b, scale, slots, skip_slot: int, segments: tuple[int, ...] = (0,)) -> None:
-    """Shrink and expand in one launch (same result as lora_shrink + lora_expand)."""
-    num_tokens, fan_out = y.shape
-    fan_in, rank = x.shape[1], b.shape[1]
-    block_r, block_k = _tile(rank)
-    block_k = min(block_k, triton.next_power_of_2(fan_in))
-    seg1, seg2, block_n = _segment_args(segments, fan_out, min(_tile(rank)[1], triton.next_power_of_2(fan_out)))
-    if num_tokens:
-        _fused_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
-            x, a, b, scale, slots, y, num_tokens, fan_in, fan_out, rank, skip_slot, seg1, seg2,
-            x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), scale.stride(0), y.stride(0),
-            BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
-            num_warps=4)
-
-
-# "split": lora_shrink (K split over programs) + lora_expand; "fused": lora_fused. Chosen by bench/decode.py's
-# kernel comparison on the H200 (see bench/RESULTS.md).
-GROUP_KERNEL = "split"
-
-
 def _check(y, x, a, b) -> None:
     if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("the Triton LoRA op needs unit stride along the feature dimension of x, y, A and B")
@@ -246,8 +184,8 @@ def add_lora_group_triton(
     slots: torch.Tensor,  # [T] long; slot S - 1 is the all-zero slot
     segments: tuple[int, ...],  # start column of each module in y (0 first)
 ) -> None:
-    """Every module of a fused group (q/k/v, gate/up) in one shrink and one expand launch (or one fused
-    launch): y[i, seg] += (x[i] @ A_seg[slot]) @ B_seg[slot] * scale_seg[slot]."""
+    """Every module of a fused group (q/k/v, gate/up) in one shrink and one expand launch:
+    y[i, seg] += (x[i] @ A_seg[slot]) @ B_seg[slot] * scale_seg[slot]."""
     _check(y, x, a, b)
     skip_slot = a.shape[0] - 1
     rank = b.shape[1]
@@ -256,9 +194,6 @@ def add_lora_group_triton(
         for seg, (start, end) in enumerate(zip(segments, ends)):
             add_lora_triton(y[:, start:end], x, a[:, :, seg * rank : (seg + 1) * rank], b[:, :, start:end],
                             scale[:, seg], slots)
-        return
-    if GROUP_KERNEL == "fused":
-        lora_fused(y, x, a, b, scale, slots, skip_slot, segments)
         return
     part = lora_shrink(x, a, slots, skip_slot)
     lora_expand(y, part, b, scale, slots, skip_slot, segments)

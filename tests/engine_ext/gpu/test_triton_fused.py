@@ -111,7 +111,6 @@ def _group_reference(y0, x, a, b, scale, idx, segments, rank):
     return ref
 
 
-@pytest.mark.parametrize("mode", ["split", "fused"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,fan_in,outs,rank,runs", [
     (32, 2048, (2048, 512, 512), 16, False),  # 1B q/k/v at decode
@@ -120,10 +119,9 @@ def _group_reference(y0, x, a, b, scale, idx, segments, rank):
     (17, 8192, (2048,), 16, True),  # 1B down, one module
     (9, 96, (48, 24, 24), 8, False),  # segment starts that fit no 16-column tile: per-module fallback
 ])
-def test_group_op_matches_the_per_module_reference(mode, dtype, tokens, fan_in, outs, rank, runs, monkeypatch):
+def test_group_op_matches_the_per_module_reference(dtype, tokens, fan_in, outs, rank, runs):
     from engine_ext.kernels import triton_lora
 
-    monkeypatch.setattr(triton_lora, "GROUP_KERNEL", mode)
     g = _gen(tokens * rank + fan_in)
     x, a, b, scale, idx, segments = _group(tokens, fan_in, outs, rank, 9, dtype, g, runs)
     y0 = torch.randn(tokens, sum(outs), generator=g, device=DEV).to(dtype)
