@@ -80,13 +80,14 @@ class StepTimes:
     def record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
         key = (kind, _bucket(tokens), _bucket(adapters) if adapters else 0)
         self._n[key] += 1
-        # The first pass at a new shape pays one-off costs (kernel selection, graph capture, first-touch
-        # memory), which can be seconds: it is no measurement. Deciding on it would keep the gate off that
-        # mode until the next probe; instead the shape counts as unmeasured, and is explored once more.
-        if self._n[key] == 1:
-            return
         old = self._t.get(key)
-        self._t[key] = seconds if old is None else (1 - self.weight) * old + self.weight * seconds
+        # The second sample at a shape replaces the first, which may carry one-off costs (kernel selection,
+        # first-touch memory); later ones are averaged in. (A pass that captured CUDA graphs, seconds long,
+        # is never recorded: see Speculator.)
+        if old is None or self._n[key] == 2:
+            self._t[key] = seconds
+        else:
+            self._t[key] = (1 - self.weight) * old + self.weight * seconds
 
     def get(self, kind: str, tokens: int, adapters: int, exact: bool = False) -> float | None:
         """The measured time at this bucket; else (unless `exact`) that of the nearest measured bucket of the
@@ -176,6 +177,16 @@ class Gate:
                 best, best_rate = passes, rate
         return lengths(best)
 
+    def adapter_on_time(self, tokens: int, distinct: int) -> float | None:
+        """An adapter-on pass of `tokens` tokens: a verify pass or a plain step measured at that size, else the
+        nearest verify pass, else the nearest plain step (both optimistic for larger passes: a decision they
+        drive measures the size)."""
+        for kind, exact in (("lora", True), ("plain", True), ("lora", False), ("plain", False)):
+            t = self.times.get(kind, tokens, distinct, exact=exact)
+            if t is not None:
+                return t
+        return None
+
     def predicted_rate(self, adapters: list[str], lengths: list[int], num_base: int) -> float | None:
         """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured)."""
         passes = max(lengths, default=0)
@@ -183,7 +194,7 @@ class Gate:
             return None
         batch, distinct = len(adapters) + num_base, len(set(adapters))
         t_base = self.times.get("base", batch, 0)
-        t_verify = self.times.get("lora", sum(m + 1 for m in lengths) + num_base, distinct)
+        t_verify = self.adapter_on_time(sum(m + 1 for m in lengths) + num_base, distinct)
         if t_base is None or t_verify is None:
             return None
         gained = sum(expected_tokens(self.adapter(a).ema, m) for a, m in zip(adapters, lengths))
@@ -207,10 +218,10 @@ class Gate:
         if self.probe_interval and self.plain_streak >= self.probe_interval:
             self._count("speculate_probe", f"{self.plain_streak} plain steps in a row: re-measure drafting")
             return True
-        # Exact, not the nearest bucket: the nearest adapter-on pass is usually a (larger) verify pass, which
-        # would make plain look slower than it is, and speculation would then never measure plain. A plain
-        # step is the cheapest exploration there is.
-        t_plain = self.times.get("lora", batch, distinct, exact=True)
+        # Plain steps are their own kind: pricing plain at the nearest adapter-on pass (usually a larger verify
+        # pass) would make it look slower than it is, and speculation would then never measure plain. The
+        # nearest plain step serves a batch size not measured yet (as sequences finish, the batch shrinks).
+        t_plain = self.times.get("plain", batch, distinct)
         spec_rate = self.predicted_rate(adapters, lengths, num_base)
         if spec_rate is None:
             self._count("speculate_explore", "no base-only or adapter-on pass measured yet")

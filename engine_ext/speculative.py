@@ -71,6 +71,7 @@ class Speculator:
         self.clock = PassClock(engine.device)
         self.cycles = self.plain_steps = self.draft_passes = 0
         self.greedy_cycles = 0  # cycles that took the one-sync path
+        self._capture_pending = False  # this step may capture the runner's CUDA graphs (see _record)
 
     # ------------------------------------------------------------ one engine step
     def step(self) -> list[Sequence]:
@@ -78,6 +79,7 @@ class Speculator:
         batch = e.scheduler.schedule(lookahead=self.lookahead)
         if batch.empty:
             return []
+        self._capture_pending = self._capturing()
         decoding = [s for s in batch.seqs if not s.is_prefill]
         lora_seqs = [s for s in decoding if s.adapter is not None]
         base_seqs = [s for s in decoding if s.adapter is None]
@@ -95,11 +97,21 @@ class Speculator:
             start = time.perf_counter()
             e.run_plain(batch.seqs)
             tokens = len(decoding) + prefill_tokens  # one token per decoding sequence, the prompt for prefills
-            self.gate.times.record("lora", tokens, len(set(names)), time.perf_counter() - start)
+            self._record("plain", tokens, len(set(names)), time.perf_counter() - start)
         for s in batch.seqs:  # give back the lookahead blocks nothing was written to
             if not s.finished:
                 e.blocks.truncate(s.block_table, s.num_tokens)
         return batch.seqs
+
+    def _capturing(self) -> bool:
+        """True until the runner's CUDA graphs are captured (on its first forward)."""
+        graphs = self.engine.runner.graphs
+        return graphs is not None and graphs.capture_seconds is None
+
+    def _record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
+        """A pass time for the gate, unless this step captured the CUDA graphs (seconds: no measurement)."""
+        if not (self._capture_pending and not self._capturing()):
+            self.gate.times.record(kind, tokens, adapters, seconds)
 
     def _cap(self, s: Sequence) -> int:
         """Longest useful draft: every accepted token plus the target's own must fit max_tokens."""
@@ -130,7 +142,7 @@ class Speculator:
             logits = e.runner.run(work, slots, use_lora=False)
             self._propose(active, logits[: len(active)], drafts, qs)
             self._ride(riders, logits[len(active):])
-            self.gate.times.record("base", len(work), 0, time.perf_counter() - start)
+            self._record("base", len(work), 0, time.perf_counter() - start)
             self.draft_passes += 1
 
         live = [s for s in seqs if not s.finished]
@@ -140,7 +152,7 @@ class Speculator:
         self._settle_all(live, work, logits, drafts, qs)
         # Time per pass size (prefill tokens included): the cost model compares passes by their token count.
         distinct = len({s.adapter for s in live if s.adapter is not None})
-        self.gate.times.record("lora", sum(len(w.token_ids) for w in work), distinct, time.perf_counter() - start)
+        self._record("lora", sum(len(w.token_ids) for w in work), distinct, time.perf_counter() - start)
 
     @torch.inference_mode()
     def _greedy_cycle(self, seqs: list[Sequence], lengths: dict[int, int], drafters: list[Sequence],
@@ -210,9 +222,9 @@ class Speculator:
         # The passes' share of the cycle's wall time (host work included), for the gate's per-pass cost model.
         scale = (time.perf_counter() - start) / (sum(spans) or 1.0)
         for n, span in zip(sizes, spans):
-            self.gate.times.record("base", n, 0, span * scale)
+            self._record("base", n, 0, span * scale)
         distinct = len({s.adapter for s in live if s.adapter is not None})
-        self.gate.times.record("lora", sum(len(w.token_ids) for w in verify), distinct, spans[-1] * scale)
+        self._record("lora", sum(len(w.token_ids) for w in verify), distinct, spans[-1] * scale)
 
     def _settle_all(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict,
                     targets: list[int] | None = None):

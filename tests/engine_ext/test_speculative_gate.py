@@ -22,7 +22,7 @@ def test_acceptance_counts_only_judged_drafts():
 
 
 def measure(gate_or_times, kind, tokens, adapters, seconds):
-    """Two samples: the first at a shape is dropped as one-off costs."""
+    """Two samples: the second at a shape replaces the first (which may carry one-off costs)."""
     times = getattr(gate_or_times, "times", gate_or_times)
     for _ in range(2):
         times.record(kind, tokens, adapters, seconds)
@@ -61,13 +61,13 @@ def test_decide_compares_measured_rates():
     gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
     gate.adapter("x").ema = 0.9
     measure(gate, "base", 2, 0, 0.010)
-    measure(gate, "lora", 2, 1, 0.040)  # adapters are expensive: speculation pays
+    measure(gate, "plain", 2, 1, 0.040)  # adapters are expensive: speculation pays
     measure(gate, "lora", 6, 1, 0.045)
     assert gate.decide(["x", "x"], [2, 2], num_base=0)
     slow = Gate(SpecConfig(num_draft_tokens=2, gate=True))
     slow.adapter("x").ema = 0.9
     measure(slow, "base", 2, 0, 0.040)
-    measure(slow, "lora", 2, 1, 0.041)  # adapters nearly free and drafting slow: plain wins
+    measure(slow, "plain", 2, 1, 0.041)  # adapters nearly free and drafting slow: plain wins
     measure(slow, "lora", 6, 1, 0.120)
     assert not slow.decide(["x", "x"], [2, 2], num_base=0)
     assert gate.decisions["speculate"] == 1 and slow.decisions["plain_cost"] == 1
@@ -82,20 +82,40 @@ def test_plain_step_measured_before_plain_is_priced():
     measure(gate, "lora", 6, 1, 0.045)
     assert not gate.decide(["x", "x"], [2, 2], num_base=0)
     assert gate.decisions["plain_explore"] == 1
-    measure(gate, "lora", 2, 1, 0.012)  # plain is cheap here: 2 tokens / 12 ms beat 5.4 tokens / 65 ms
+    measure(gate, "plain", 2, 1, 0.012)  # plain is cheap here: 2 tokens / 12 ms beat 5.4 tokens / 65 ms
     assert not gate.decide(["x", "x"], [2, 2], num_base=0)
     assert gate.decisions["plain_cost"] == 1
 
 
 def test_step_times_fall_back_to_nearest_bucket():
     t = StepTimes()
-    t.record("lora", 4, 1, 5.0)  # the first pass at a shape (one-off costs): not a measurement
-    assert t.get("lora", 4, 1) is None
-    measure(t, "lora", 4, 1, 0.01)
+    t.record("lora", 4, 1, 5.0)  # the first pass at a shape (may carry one-off costs)...
+    assert t.get("lora", 4, 1) == 5.0
+    t.record("lora", 4, 1, 0.01)  # ...is replaced by the second, not averaged with it
     assert t.get("lora", 4, 1) == 0.01 and t.get("lora", 16, 1) == 0.01 and t.get("lora", 2, 8) == 0.01
+    t.record("lora", 4, 1, 0.02)  # later samples are averaged in
+    assert t.get("lora", 4, 1) == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
     measure(t, "lora", 16, 1, 0.03)
-    assert t.get("lora", 16, 1) == 0.03 and t.get("lora", 32, 1) == 0.03 and t.get("lora", 4, 1) == 0.01
+    assert t.get("lora", 16, 1) == 0.03 and t.get("lora", 32, 1) == 0.03
     assert t.get("base", 4, 0) is None and t.get("lora", 32, 1, exact=True) is None
+
+
+def test_plain_priced_at_the_nearest_plain_step_when_the_batch_shrinks():
+    """As sequences finish the batch falls into smaller buckets: plain is priced from the nearest plain step
+    (not re-explored at every bucket), and never from a verify pass."""
+    gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+    gate.adapter("x").ema = 0.9
+    measure(gate, "base", 32, 0, 0.010)
+    measure(gate, "lora", 96, 32, 0.030)
+    measure(gate, "plain", 32, 32, 0.020)
+    assert gate.times.get("plain", 8, 8) == 0.020
+    gate.decide(["x"] * 8, [2] * 8, num_base=0)
+    assert "plain_explore" not in gate.decisions
+    fresh = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+    fresh.adapter("x").ema = 0.9
+    measure(fresh, "base", 32, 0, 0.010)
+    measure(fresh, "lora", 96, 32, 0.030)
+    assert not fresh.decide(["x"] * 32, [2] * 32, num_base=0) and fresh.decisions["plain_explore"] == 1
 
 
 @pytest.fixture(scope="module")
