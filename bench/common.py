@@ -111,13 +111,8 @@ def machine() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores (torch {torch.__version__})"
 
 
-def graph_ms(fn, iters: int = 20) -> float:
-    """GPU milliseconds of one call of `fn`: run once (compiles), capture it in a CUDA graph, time replays."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+def replay_ms(graph, iters: int = 20) -> float:
+    """GPU milliseconds of one replay of a captured CUDA graph (after one warm replay), timed with events."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -126,3 +121,13 @@ def graph_ms(fn, iters: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def graph_ms(fn, iters: int = 20) -> float:
+    """GPU milliseconds of one call of `fn`: run once (compiles), capture it in a CUDA graph, time replays."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_ms(graph, iters)

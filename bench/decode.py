@@ -26,7 +26,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import SHAPES, build_random_adapter, build_random_model, machine, measure_decode  # noqa: E402
+from bench.common import (  # noqa: E402
+    SHAPES, build_random_adapter, build_random_model, machine, measure_decode, replay_ms)
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
 from engine_ext.batch import SeqWork  # noqa: E402
 from engine_ext.speculative import Speculator  # noqa: E402
@@ -108,17 +109,6 @@ def _time_ms(fn, iters: int) -> tuple[float, float]:
     return times[len(times) // 2], times[min(len(times) - 1, int(0.99 * len(times)))]
 
 
-def _replay_ms(graph, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def forward_point(engine, names: list[str | None], tokens_per_seq: int, use_lora: bool, iters: int) -> dict:
     """Time one decode (tokens_per_seq=1) or verify (k+1) forward of len(names) sequences at CONTEXT."""
     runner, slots, bs = engine.runner, engine.adapters.slots, engine.config.block_size
@@ -129,7 +119,7 @@ def forward_point(engine, names: list[str | None], tokens_per_seq: int, use_lora
     total = len(names) * tokens_per_seq
     bucket = next(b for b in runner.graphs.buckets if b >= total)
     lora_on = use_lora and any(n is not None for n in names)
-    gpu_ms = _replay_ms(runner.graphs.graphs[(bucket, lora_on)][0], iters)
+    gpu_ms = replay_ms(runner.graphs.graphs[(bucket, lora_on)][0], iters)
     return {"step_ms": step_ms, "step_ms_p99": step_p99, "gpu_ms": gpu_ms, "bucket": bucket}
 
 
