@@ -1,5 +1,5 @@
 """Sweep the Triton paged attention's launch settings at the 1B shape (32 query heads, 8 KV heads,
-head_dim 64, page 16): decode batch 32 and a k=4 verify pass (32 x 5 tokens), context 512; each
+head_dim 64, page 16): decode batch 8, 32 and 128 and a k=4 verify pass (32 x 5 tokens), context 512; each
 setting timed as a CUDA graph of 16 calls (one per layer). Prints JSON rows and the best setting."""
 
 import itertools
@@ -34,18 +34,35 @@ def time_it(q, caches, meta):
     return graph_ms(lambda: [ta.paged_attention_triton(q, caches[0], caches[1], meta, 0.125) for _ in range(16)])
 
 
+def settings():
+    """(splits, block_n, warps, stages, rows, prefetch): Triton's pipelining at 1-4 stages, 16- or 32-row
+    tiles, and the manual next-block prefetch; a few split-KV points."""
+    for block_n, warps, stages, rows in itertools.product((64, 128), (4, 8), (0, 1, 2, 4), (0, 16)):
+        yield 1, block_n, warps, stages, rows, False
+    for block_n, warps, rows in itertools.product((32, 64, 128), (4, 8), (0, 16)):
+        yield 1, block_n, warps, 1, rows, True
+    for splits, block_n in itertools.product((2, 4), (64, 128)):
+        yield splits, block_n, 4, 0, 16, False
+
+
 def main():
-    cases = {"decode32": case(32, 1), "verify32x5": case(32, 5)}
+    cases = {"decode32": case(32, 1), "verify32x5": case(32, 5), "decode128": case(128, 1), "decode8": case(8, 1)}
     rows = []
-    for splits, block_n, warps, budget in itertools.product((1, 2, 4, 8), (16, 32, 64), (2, 4), (4096,)):
+    for splits, block_n, warps, stages, tile_rows, prefetch in settings():
         ta.MAX_SPLITS, ta.BLOCK_N, ta.NUM_WARPS, ta.SPLIT_BUDGET = splits, block_n, warps, 1 << 20
-        row = {"splits": splits, "block_n": block_n, "warps": warps}
-        for name, (q, caches, meta) in cases.items():
-            row[name + "_ms16"] = time_it(q, caches, meta)
+        ta.NUM_STAGES, ta.ROWS, ta.PREFETCH = stages, tile_rows, prefetch
+        row = {"splits": splits, "block_n": block_n, "warps": warps, "stages": stages, "rows": tile_rows,
+               "prefetch": prefetch}
+        try:
+            for name, (q, caches, meta) in cases.items():
+                row[name + "_ms16"] = time_it(q, caches, meta)
+        except Exception as e:  # e.g. out of shared memory at a large tile and many stages
+            row["error"] = str(e)[:200]
+            torch.cuda.synchronize()
         rows.append(row)
         print(json.dumps(row), flush=True)
     for name in cases:
-        best = min(rows, key=lambda r: r[name + "_ms16"])
+        best = min((r for r in rows if "error" not in r), key=lambda r: r[name + "_ms16"])
         print("BEST", name, json.dumps(best))
 
 

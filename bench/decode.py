@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 
 import torch
 
@@ -231,20 +232,29 @@ def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_r
     return engine
 
 
-def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | None], gen: int, prompt_len: int):
-    """Decode through LLMEngine.step(); `spec` None: plain multi-LoRA (or base-only when names are None)."""
+def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | None], gen: int, prompt_len: int,
+                warm: bool = False):
+    """Decode through LLMEngine.step(); `spec` None: plain multi-LoRA (or base-only when names are None).
+    `warm`: the speculator first serves one unmeasured window of the same mix, as a long-running server's
+    speculator has (its gate keeps pass times and per-adapter acceptance for the engine's lifetime)."""
     # One engine serves every mode so the model loads and the graphs are captured once; the mode is
     # the speculator the step loop drives (None: plain steps).
     engine.speculator = Speculator(engine, spec) if spec is not None else None
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(10, 100000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    before, counts = Counter(), {}
+    if warm and spec is not None:
+        measure_decode(engine, prompts, names, gen, SamplingParams)
+        before = Counter(engine.speculator.gate.decisions)
+        counts = {n: (a.drafted, a.accepted) for n, a in engine.speculator.gate.acceptance.items()}
     out = measure_decode(engine, prompts, names, gen, SamplingParams)
     if spec is not None:
         drafted = accepted = 0
-        for acc in engine.speculator.gate.acceptance.values():
-            drafted, accepted = drafted + acc.drafted, accepted + acc.accepted
+        for n, acc in engine.speculator.gate.acceptance.items():
+            d0, a0 = counts.get(n, (0, 0))
+            drafted, accepted = drafted + acc.drafted - d0, accepted + acc.accepted - a0
         out["acceptance"] = accepted / drafted if drafted else None
-        out["gate_decisions"] = dict(engine.speculator.gate.decisions)
+        out["gate_decisions"] = dict(Counter(engine.speculator.gate.decisions) - before)
     out["itl_ms_p50"] = out["step_ms_p50"]
     out["itl_ms_p99"] = out["step_ms_p99"]
     engine.speculator = None
@@ -291,6 +301,8 @@ def main() -> None:
     ap.add_argument("--adapters", nargs="+", type=int, default=[0, 1, 8, 32, 128])
     ap.add_argument("--max-adapters-r64", type=int, default=32, help="cap on distinct rank-64 adapters (host memory)")
     ap.add_argument("--near-scale", type=float, default=0.02, help="adapter B scale for the speculative points")
+    ap.add_argument("--vfar-scale", type=float, default=0.0,
+                    help="also run speculative points on adapters at this B scale (0: skip), where plain should win")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--iters", type=int, default=30)
@@ -324,6 +336,10 @@ def main() -> None:
                 near = build_random_adapter(os.path.join(args.workdir, f"{shape}-r{rank}-near"), shape, rank,
                                             seed=rank, scale=args.near_scale)
                 adapters |= {f"n{i}": near for i in range(32)}
+                if args.vfar_scale:
+                    vfar = build_random_adapter(os.path.join(args.workdir, f"{shape}-r{rank}-vfar"), shape, rank,
+                                                seed=rank, scale=args.vfar_scale)
+                    adapters |= {f"v{i}": vfar for i in range(32)}
             t0 = time.perf_counter()
             engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32), max_rank=rank,
                                   max_graph_tokens=max(args.batches) * (MAX_K + 1), compile_graphs=args.compile)
@@ -403,14 +419,19 @@ def engine_points(engine, tag, max_distinct, args, results, dump) -> None:
     near = [f"n{i % distinct}" for i in range(batch)]
     modes = [("base", None, [None] * batch), ("plain", None, names), ("plain_near", None, near)]
     modes += [(f"spec_k{k}", SpecConfig(num_draft_tokens=k, gate=False), near) for k in range(1, MAX_K + 1)]
-    modes += [(f"spec_k{MAX_K}_gate", SpecConfig(num_draft_tokens=MAX_K, gate=True), near),
-              (f"spec_k{MAX_K}_gate_far", SpecConfig(num_draft_tokens=MAX_K, gate=True), names),
+    gated = SpecConfig(num_draft_tokens=MAX_K, gate=True)
+    modes += [(f"spec_k{MAX_K}_gate", gated, near), (f"spec_k{MAX_K}_gate_warm", gated, near),
+              (f"spec_k{MAX_K}_gate_far", gated, names), (f"spec_k{MAX_K}_gate_far_warm", gated, names),
               (f"spec_k{MAX_K}_far", SpecConfig(num_draft_tokens=MAX_K, gate=False), names)]
+    if args.vfar_scale:  # adapters far enough from the base that drafting should not pay: the gate should go plain
+        vfar = [f"v{i % distinct}" for i in range(batch)]
+        modes += [("plain_vfar", None, vfar), (f"spec_k{MAX_K}_vfar", SpecConfig(num_draft_tokens=MAX_K, gate=False), vfar),
+                  (f"spec_k{MAX_K}_gate_vfar", gated, vfar), (f"spec_k{MAX_K}_gate_vfar_warm", gated, vfar)]
     for mode, spec, mode_names in modes:
         if mode == "base" and rank != args.ranks[0]:
             continue
         activate(engine, sorted({n for n in mode_names if n}))  # the scheduler admits one cold adapter a step
-        out = engine_mode(engine, spec, batch, mode_names, args.gen, args.prompt_len)
+        out = engine_mode(engine, spec, batch, mode_names, args.gen, args.prompt_len, warm=mode.endswith("_warm"))
         rec = dict(tag, mode=mode, batch=batch, adapters=0 if mode == "base" else distinct, **out)
         results["engine"].append(rec)
         dump()

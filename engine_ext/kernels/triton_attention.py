@@ -24,10 +24,25 @@ from ..attention import AttnMetadata
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, stride_ks, head_off, live,
+             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K and V [BLOCK_N, HEAD_DIM] of key positions start.. (zeros beyond hi, or everywhere unless `live`)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_seq = (offs_n <= hi) & live
+    page = tl.load(tables_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
+    kv_off = page * stride_kb + (offs_n % PAGE) * stride_ks + head_off
+    k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, positions_ptr, T, scale,
                        window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+                       PREFETCH: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -61,15 +76,20 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
         per_split = tl.cdiv(num_blocks, SPLITS)
         first = split * per_split
         last = tl.minimum(num_blocks, first + per_split)
+        if PREFETCH:  # the next block's K/V are issued before this block's math (loop-carried registers)
+            k_nxt, v_nxt = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, lo + first * BLOCK_N, hi, stride_kb,
+                                    stride_ks, kvh * stride_kh, first < last, PAGE, BLOCK_N, HEAD_DIM)
         for blk in range(first, last):
             start = lo + blk * BLOCK_N
             offs_n = start + tl.arange(0, BLOCK_N)
-            in_seq = offs_n <= hi
-            page = tl.load(tables_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
-            kv_off = page * stride_kb + (offs_n % PAGE) * stride_ks + kvh * stride_kh
-            k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-            # V is issued with K, so both loads are in flight while the scores are computed
-            v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            if PREFETCH:
+                k, v = k_nxt, v_nxt
+                k_nxt, v_nxt = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start + BLOCK_N, hi, stride_kb,
+                                        stride_ks, kvh * stride_kh, blk + 1 < last, PAGE, BLOCK_N, HEAD_DIM)
+            else:
+                # V is issued with K, so both loads are in flight while the scores are computed
+                k, v = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, stride_ks,
+                                kvh * stride_kh, True, PAGE, BLOCK_N, HEAD_DIM)
             if IEEE:  # float32 caches: full-precision products, not tf32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
@@ -137,6 +157,7 @@ def paged_attention_triton(
     if not num_tokens:
         return out
     group_pad = triton.next_power_of_2(group)
+    block_n, stages = kv_tile(head_dim, k_cache.element_size())
     splits = kv_splits(num_tokens, kv_heads)
     if splits == 1:
         part, ml, strides = out, out, (out.stride(0), out.stride(1))
@@ -147,8 +168,9 @@ def paged_attention_triton(
     _paged_attn_kernel[(num_tokens, kv_heads, splits)](
         q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=max(8, 16 // group_pad), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS)
+        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q(group_pad), HEAD_DIM=head_dim,
+        PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, PREFETCH=PREFETCH,
+        num_warps=NUM_WARPS, **({"num_stages": stages} if stages else {}))
     if splits > 1:
         _combine_kernel[(num_tokens, heads)](part, ml, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
                                              HEAD_DIM=head_dim, num_warps=1)
@@ -158,14 +180,38 @@ def paged_attention_triton(
 # Split-KV ("flash decoding"): at small batches one program per (token, KV head) leaves most of the chip
 # idle while it walks the context; splitting every context into SPLITS shares (sized at run time from the
 # context length, so one CUDA graph serves every length) keeps more programs busy. Measured on the H200
-# (bench/attn_sweep.py, 1B shape, context 512): it pays at batch 1 (1.33 -> 1.15 ms per step) and costs at
-# batch 32 (no split: 0.31 ms for 16 layers; 4 splits 0.35; 8 splits 0.42), hence the small budget.
-# Launch settings (bench/attn_sweep.py); the environment overrides them for sweeps.
+# (bench/attn_sweep.py, 1B shape, context 512): it pays at batch 8 (4 splits: 0.13 against 0.17 ms for
+# 16 layers) and costs at batch 32 (0.27 against 0.21 ms), hence the small budget.
+# Launch settings, from the same sweep (bench/results/2026-11-29-h200-run8-attn-sweep.log): 128-key blocks
+# with two pipeline stages and 16-row tiles (4 decode tokens x 4 heads instead of 8 x 4, half of them
+# padding at decode) took batch 32 from 0.31 to 0.21 ms; the k=4 verify pass stays at 0.41-0.44 ms. The
+# manual next-block prefetch (PREFETCH) did not help. The environment overrides them for sweeps.
 MAX_SPLITS = int(os.environ.get("LORASERVE_ATTN_MAX_SPLITS", "8"))
-BLOCK_N = int(os.environ.get("LORASERVE_ATTN_BLOCK_N", "64"))
+BLOCK_N = int(os.environ.get("LORASERVE_ATTN_BLOCK_N", "128"))
 NUM_WARPS = int(os.environ.get("LORASERVE_ATTN_WARPS", "4"))
 SPLIT_BUDGET = int(os.environ.get("LORASERVE_ATTN_SPLIT_BUDGET", "256"))
+# Tile rows (query tokens x heads of one KV head group, at least 16 for the tensor-core dot): a run of up
+# to ROWS // group query tokens of one sequence shares each K/V page it reads; 0: at least 8 tokens.
+ROWS = int(os.environ.get("LORASERVE_ATTN_ROWS", "16"))
+NUM_STAGES = int(os.environ.get("LORASERVE_ATTN_STAGES", "2"))  # 0: Triton's default software pipelining
+PREFETCH = os.environ.get("LORASERVE_ATTN_PREFETCH", "0") == "1"  # issue block i+1's loads before block i's math
+_SMEM_BUDGET = 160 << 10  # bytes of K/V tiles in flight (H200: 227 KB of shared memory per block)
 
 
 def kv_splits(num_tokens: int, kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, triton.next_power_of_2(max(1, SPLIT_BUDGET // (num_tokens * kv_heads)))))
+
+
+def block_q(group_pad: int) -> int:
+    """Query tokens per tile: the tile (block_q x group_pad rows) has at least 16 rows."""
+    least = max(1, 16 // group_pad)
+    return max(least, ROWS // group_pad) if ROWS else max(8, least)
+
+
+def kv_tile(head_dim: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK_N, stages): the K and V tiles of every pipeline stage fit the shared-memory budget (wide heads
+    and float32 caches take smaller key blocks)."""
+    block_n, stages = BLOCK_N, NUM_STAGES
+    while block_n > 16 and 2 * max(stages, 1) * block_n * head_dim * element_size > _SMEM_BUDGET:
+        block_n //= 2
+    return block_n, stages

@@ -29,9 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-_NORM_CHUNK = 256  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
+_NORM_CHUNK = 128  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
 _SILU_BLOCK = 1024  # columns of one silu_mul program
-_SILU_LORA_BLOCK = 1024  # ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
+_SILU_LORA_BLOCK = 512  # ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
+# Launch settings of the LoRA variants (0: derived from the rank). Measured with bench/fused_sweep.py on the
+# H200 (1B shape, 32 tokens on 32 rank-16 adapters, 16 layers; bench/results/2026-11-29-h200-run8-fused.log):
+# norm+shrink 0.110 -> 0.081 ms at 128-column chunks and 2 warps, rope+expand 0.100 -> 0.077 ms at 1 warp,
+# silu+expand+shrink 0.264 -> 0.208 ms at 512-column blocks (more warps and smaller inner steps were slower).
+_SILU_LORA_SB = 0  # columns per inner step of silu_mul with LoRA (its B_gate/B_up/A_down tiles)
+_SILU_LORA_WARPS = 4
+_NORM_LORA_BK = 0  # K columns per inner step of add_rms_norm with LoRA (its A tile)
+_NORM_LORA_WARPS = 2
+_ROPE_LORA_WARPS = 1
 # The fused LoRA path re-reads an adapter's tiles for every token (no run sharing), which pays at decode
 # (one token per sequence) but not for verify passes (k+1 tokens per sequence): above this many tokens in
 # a forward the model applies LoRA with the group op (run-tiled split kernels) instead.
@@ -118,7 +127,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         rt = a.shape[2]
         block_r = _rank_block(rt)
         part = torch.empty(splits, num_tokens, rt, dtype=torch.float32, device=x.device)
-        bk = max(16, min(chunk, 8192 // block_r))
+        bk = _NORM_LORA_BK or max(16, min(chunk, 8192 // block_r))
         lora_args = (a, slots, part, rt, a.shape[0] - 1, a.stride(0), a.stride(1), part.stride(0), part.stride(1))
     else:
         block_r, bk = 1, min(chunk, 2048)
@@ -128,7 +137,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x, delta if delta is not None else x, weight, res, out, n, eps, x.stride(0),
             delta.stride(0) if delta is not None else 0, res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, LORA=lora is not None, BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r,
-            num_warps=4 if lora is not None else min(16, max(1, block // 256)))
+            num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
 
@@ -232,7 +241,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), num_warps=1 if lora is None else 2)
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), num_warps=1 if lora is None else _ROPE_LORA_WARPS)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 
@@ -298,7 +307,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
         part, b, scale, a_down, slots = lora
         rank, r2 = b.shape[1], a_down.shape[2]
         block_r, block_r2 = _rank_block(rank), _rank_block(r2)
-        sb = max(16, min(block, 8192 // max(block_r, block_r2)))
+        sb = min(block, _SILU_LORA_SB or max(16, min(block, 8192 // max(block_r, block_r2))))
         dpart = torch.empty(nblocks, num_tokens, r2, dtype=torch.float32, device=gate_up.device)
         lora_args = (part, b, scale, slots, a_down, dpart, rank, part.shape[0], r2, b.shape[0] - 1,
                      part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), a_down.stride(0),
@@ -311,7 +320,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
-                                                num_warps=4)
+                                                num_warps=_SILU_LORA_WARPS if lora is not None else 4)
     return out, dpart
 
 

@@ -24,6 +24,10 @@ import triton.language as tl
 
 _TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _BLOCK_T = 16  # tokens of one run handled together (the smallest tensor-core tile)
+# Launch settings (bench/fused_sweep.py sweeps them): the expand's column tile (0: from the rank) and warps
+_EXPAND_BLOCK_N = 0
+_EXPAND_WARPS = 4
+_SHRINK_WARPS = 4
 
 
 @triton.jit
@@ -79,7 +83,8 @@ def _segment(nb, BLOCK_N: tl.constexpr, SEG1, SEG2):
 @triton.jit
 def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_splits, skip_slot, SEG1, SEG2,
                    stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt,
-                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+                   SPLITS: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
@@ -87,10 +92,13 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_sp
         seg = _segment(nb, BLOCK_N, SEG1, SEG2)
         offs_r = tl.arange(0, BLOCK_R)
         mr = offs_r < R
-        s = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-        for sp in range(0, num_splits):
-            s += tl.load(part_ptr + sp * stride_ps + offs_t[:, None] * stride_pt + seg * R + offs_r[None, :],
-                         mask=rows[:, None] & mr[None, :], other=0.0)
+        # every split's partial in one 3-D load (a loop over them would wait on each load in turn)
+        offs_s = tl.arange(0, SPLITS)
+        parts = tl.load(part_ptr + offs_s[:, None, None] * stride_ps + offs_t[None, :, None] * stride_pt + seg * R
+                        + offs_r[None, None, :],
+                        mask=(offs_s[:, None, None] < num_splits) & rows[None, :, None] & mr[None, None, :],
+                        other=0.0)
+        s = tl.sum(parts, axis=0)
         s = s * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mn = offs_n < N
@@ -127,7 +135,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot
         _shrink_kernel[(num_tokens, splits)](
             x, a, slots, part, num_tokens, fan_in, rank, k_per_split, skip_slot,
             x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
-            BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32, num_warps=4)
+            BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
+            num_warps=_SHRINK_WARPS)
     return part
 
 
@@ -147,12 +156,14 @@ def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: tor
     num_tokens, fan_out = y.shape
     rank = b.shape[1]
     block_r, block_n = _tile(rank)
+    block_n = min(_EXPAND_BLOCK_N or block_n, block_n)
     seg1, seg2, block_n = _segment_args(segments, fan_out, min(block_n, triton.next_power_of_2(fan_out)))
     if num_tokens:
         _expand_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
             part, b, scale, slots, y, num_tokens, fan_out, rank, part.shape[0], skip_slot, seg1, seg2,
             part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), y.stride(0),
-            BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32, num_warps=4)
+            BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
+            SPLITS=triton.next_power_of_2(part.shape[0]), num_warps=_EXPAND_WARPS)
 
 
 def _check(y, x, a, b) -> None:

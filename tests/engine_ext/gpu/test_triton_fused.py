@@ -214,3 +214,20 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     assert ((y.double() - ref_y.double()).norm() / (ref_y.double() - y0.double()).norm()).item() < 1e-2
     base = slots == num_slots - 1
     assert torch.equal(y[base], y0[base])
+
+
+@pytest.mark.parametrize("setting", [
+    {"_NORM_CHUNK": 64, "_NORM_LORA_WARPS": 1, "_SILU_LORA_BLOCK": 128, "_SILU_LORA_WARPS": 2, "_ROPE_LORA_WARPS": 2},
+    {"_NORM_CHUNK": 256, "_NORM_LORA_BK": 64, "_SILU_LORA_BLOCK": 1024, "_SILU_LORA_SB": 128, "_ROPE_LORA_WARPS": 4},
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_folding_under_other_launch_settings(setting, dtype, monkeypatch):
+    """bench/fused_sweep.py's knobs change tiling and the number of partials (up to 64 down-shrink partials
+    summed by the expand), never results."""
+    from engine_ext.kernels import triton_fused, triton_lora
+
+    for name, value in setting.items():
+        monkeypatch.setattr(triton_fused, name, value)
+    monkeypatch.setattr(triton_lora, "_EXPAND_BLOCK_N", 128)
+    monkeypatch.setattr(triton_lora, "_EXPAND_WARPS", 2)
+    test_lora_folded_into_norm_rope_and_silu(dtype, 32, 16, False)
