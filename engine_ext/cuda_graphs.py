@@ -9,7 +9,9 @@ the slot stacks themselves (static tensors the slot table copies into), so a new
 newly loaded adapter needs no re-capture. The attention and LoRA kernels read per-token lengths
 and slots on the device, which is what makes one graph valid for every mix.
 
-All per-step metadata is packed on the host into one pinned buffer and sent with two copies.
+All per-step metadata is packed on the host into one pinned buffer and sent with two copies: by the copy
+engine (`inputs="copy"`), or (`inputs="mapped"`) by a kernel on the compute stream that reads the pinned
+buffer directly (kernels/host_copy.py), so the step never queues behind an adapter load on the copy engine.
 `run_async` queues forwards back to back with no host sync (speculative drafting): some input ids
 then come from a device tensor an earlier forward filled, and each forward in flight packs into its
 own set of pinned buffers (a small ring that grows to the number in flight).
@@ -41,6 +43,7 @@ _IDS, _POS, _KV_SLOT, _SEQ, _QIDX, _LORA, _LOGITS = range(7)
 # at SRC[i] (`run_async`'s token_src).
 _DST, _SRC = 7, 8
 _NUM_ROWS = 9
+GRAPH_INPUTS = ("copy", "mapped")  # how the per-step metadata reaches the graphs' input buffers (see above)
 _MAX_IN_FLIGHT = 20  # pinned buffer sets; a speculative cycle queues at most 16 drafting passes + 1 verify
 
 
@@ -96,7 +99,7 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches, lora_op, attn_op, block_size: int, max_blocks_per_seq: int,
                  scratch_block: int, max_tokens: int, device: torch.device, compile_model: bool = False,
-                 group_lora_op=None):
+                 group_lora_op=None, inputs: str = "copy"):
         self.model, self.kv_caches, self.lora_op, self.attn_op = model, kv_caches, lora_op, attn_op
         self.group_lora_op = None if compile_model else group_lora_op  # compile: per-module opaque ops
         self.compiled = None
@@ -104,6 +107,9 @@ class DecodeGraphs:
             self.lora_op, self.attn_op = _opaque_ops(lora_op, attn_op)
             self.compiled = torch.compile(model, dynamic=True)
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
+        if inputs not in GRAPH_INPUTS:
+            raise ValueError(f"graph inputs must be one of {GRAPH_INPUTS}, got {inputs!r}")
+        self._upload = _mapped_copy if inputs == "mapped" else _dma_copy
         self.buckets = graph_buckets(max_tokens)
         tmax, width = self.buckets[-1], max_blocks_per_seq
         self.width = width
@@ -187,8 +193,8 @@ class DecodeGraphs:
         _, num_logits = pack_decode_batch(work, self.block_size, slots.zero_slot, self.scratch_block, bucket,
                                           host.np_rows, host.np_tables)
         moved = _pack_token_src(token_src, host.np_rows)
-        self.rows.copy_(host.rows, non_blocking=True)
-        self.tables[: len(work) + 1].copy_(host.tables[: len(work) + 1], non_blocking=True)
+        self._upload(self.rows, host.rows)
+        self._upload(self.tables[: len(work) + 1], host.tables[: len(work) + 1])
         host.copied.record()
         if moved:
             r = self.rows
@@ -225,6 +231,16 @@ class _HostBuffers:
 
     def __post_init__(self) -> None:
         self.np_rows, self.np_tables = self.rows.numpy(), self.tables.numpy()
+
+
+def _dma_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _mapped_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    from .kernels.host_copy import copy_from_pinned
+
+    copy_from_pinned(dst, src)
 
 
 def _pack_token_src(token_src: list[int] | None, rows: np.ndarray) -> int:

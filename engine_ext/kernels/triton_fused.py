@@ -35,9 +35,10 @@ _SILU_LORA_BLOCK = 512  # ... with LoRA: more, smaller programs (each also reads
 # Launch settings of the LoRA variants (0: derived from the rank). Measured with bench/fused_sweep.py on the
 # H200 (1B shape, 32 tokens on 32 rank-16 adapters, 16 layers; bench/results/2026-11-29-h200-run8-fused.log):
 # norm+shrink 0.110 -> 0.081 ms at 128-column chunks and 2 warps, rope+expand 0.100 -> 0.077 ms at 1 warp,
-# silu+expand+shrink 0.264 -> 0.208 ms at 512-column blocks (more warps and smaller inner steps were slower).
+# silu+expand+shrink 0.264 -> 0.208 ms at 512-column blocks (smaller inner steps were slower), and 0.173 ms
+# at 2 warps instead of 4 (a second sweep, run 10: ...-run10-fused.log).
 _SILU_LORA_SB = 0  # columns per inner step of silu_mul with LoRA (its B_gate/B_up/A_down tiles)
-_SILU_LORA_WARPS = 4
+_SILU_LORA_WARPS = 2
 _NORM_LORA_BK = 0  # K columns per inner step of add_rms_norm with LoRA (its A tile)
 _NORM_LORA_WARPS = 2
 _ROPE_LORA_WARPS = 1

@@ -120,3 +120,15 @@ def test_text_prompts_through_the_tokenizer(llama, tmp_path):
     ids = fast("hello world")["input_ids"]
     assert out.prompt_token_ids == ids
     assert out.text == fast.decode(out.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(graph_inputs="zero-copy"), "graph_inputs must be 'copy' or 'mapped'"),
+    (dict(cuda_graphs=True), "cuda_graphs needs a CUDA device"),
+    (dict(max_graph_tokens=0), "max_graph_tokens must be >= 1"),
+    (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras must be >= max_loras"),
+])
+def test_engine_options_are_validated(llama, bad, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model=llama, **bad)
+    assert EngineConfig(model=llama).graph_inputs == "copy"

@@ -60,6 +60,16 @@ def test_graphs_and_kernels_reproduce_the_eager_engine(setup, spec):
     assert graphs.capture_seconds is not None and len(graphs.graphs) == 2 * len(graphs.buckets)
 
 
+@pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
+def test_graphs_with_mapped_inputs_reproduce_the_eager_engine(setup, spec):
+    """graph_inputs="mapped": step metadata read by a kernel from the pinned buffers, not copied."""
+    model, adapters, expected = setup
+    engine = _engine(model, adapters, spec, graph_inputs="mapped", **FAST)
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == expected
+    assert engine.runner.graphs._upload.__name__ == "_mapped_copy"
+
+
 def test_kernels_without_graphs_reproduce_the_eager_engine(setup):
     model, adapters, expected = setup
     engine = _engine(model, adapters, None, device="cuda", lora_backend="triton", attn_backend="triton")

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU session's measurements in one call (the device allows 10 minutes a command): the GPU test suite,
+# then issue 7's points, each step with its own time limit so a slow one cannot starve the rest. Writes
+# logs and JSON under $OUT (default ./gpu-out), then prints a summary.
+#
+#   bash bench/gpu_run.sh            # tests + forward/load (copy and mapped graph inputs) + gate
+#   STEPS="tests forward" bash bench/gpu_run.sh
+set -u
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
+mkdir -p "$BENCH_DIR"
+STEPS=${STEPS-tests forward mapped gate}
+quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
+
+for step in $STEPS; do
+  case $step in
+    tests)  # point 5
+      timeout 240 python3 -m pytest -m gpu tests/engine_ext/gpu -q -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+      echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
+    forward)  # points 1, 2 and 4 (copy-engine graph inputs)
+      timeout 200 python3 bench/decode.py --ranks 16 --batches 1 32 --adapters 0 32 --sections forward load \
+        --out "$OUT/forward.json" 2>&1 | quiet >"$OUT/forward.log"
+      echo "forward rc $?" ;;
+    mapped)  # point 4 with graph_inputs="mapped"
+      timeout 120 python3 bench/decode.py --ranks 16 64 --batches 32 --adapters 32 --sections load \
+        --graph-inputs mapped --out "$OUT/load_mapped.json" 2>&1 | quiet >"$OUT/load_mapped.log"
+      echo "mapped rc $?" ;;
+    gate)  # point 3 (rank 64; add 16 for the rank-16 table)
+      timeout 150 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
+        --vfar-scale 100 --gen 64 --sections engine --out "$OUT/gate.json" 2>&1 | quiet >"$OUT/gate.log"
+      echo "gate rc $?" ;;
+    fused)
+      timeout 100 python3 bench/fused_sweep.py >"$OUT/fused.log" 2>&1; echo "fused rc $?" ;;
+    attn)
+      timeout 150 python3 bench/attn_sweep.py >"$OUT/attn.log" 2>&1; echo "attn rc $?" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+
+python3 - "$OUT" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+for name in ("forward.json", "load_mapped.json", "gate.json"):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        continue
+    d = json.load(open(path))
+    for r in d.get("forward", []):
+        print(name, r["mode"], "b", r["batch"], "a", r["adapters"], "gpu_ms %.3f" % r["gpu_ms"],
+              "bytes_ms %.3f" % r["bytes_model_ms"], "bw %.1f%%" % (100 * r["bw_fraction"]))
+    for r in d.get("load", []):
+        print(name, "load r%d" % r["rank"], r.get("graph_inputs"), "load/h2d %.2f" % r["load_over_h2d"],
+              "itl rise p50 %+.1f%% max %+.1f%%" % (100 * r["itl_rise_p50"], 100 * r["itl_rise_max"]))
+    for r in d.get("engine", []):
+        print(name, "r%d" % r["rank"], r["mode"], "%.0f tok/s" % r["tokens_per_s"], "acc", r.get("acceptance"),
+              r.get("gate_decisions") or "")
+    for e in d.get("errors", []):
+        print(name, "ERROR", e)
+EOF
+for f in "$OUT"/*.log; do grep -h "BEST" "$f" 2>/dev/null; done
