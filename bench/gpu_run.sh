@@ -30,6 +30,12 @@ for step in $STEPS; do
       timeout 150 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
         --vfar-scale 100 --gen 64 --sections engine --out "$OUT/gate.json" 2>&1 | quiet >"$OUT/gate.log"
       echo "gate rc $?" ;;
+    gemm)  # the skinny decode GEMM against F.linear (LORASERVE_SKINNY_GEMM)
+      timeout 150 python3 bench/gemm_sweep.py >"$OUT/gemm.log" 2>&1; echo "gemm rc $?" ;;
+    skinny)  # points 1 and 2 with the skinny GEMM on
+      LORASERVE_SKINNY_GEMM=1 timeout 150 python3 bench/decode.py --ranks 16 --batches 32 --adapters 0 32 \
+        --sections forward --out "$OUT/forward_skinny.json" 2>&1 | quiet >"$OUT/forward_skinny.log"
+      echo "skinny rc $?" ;;
     fused)
       timeout 100 python3 bench/fused_sweep.py >"$OUT/fused.log" 2>&1; echo "fused rc $?" ;;
     attn)
@@ -41,7 +47,7 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "load_mapped.json", "gate.json"):
+for name in ("forward.json", "forward_skinny.json", "load_mapped.json", "gate.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue

@@ -170,30 +170,30 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             shrink = lora.shrink_args(i, "qkv") if fuse else None
             x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
             if lora is not None and not fuse:
                 lora.add_group(i, "qkv", qkv, h)
             k_cache, v_cache = kv_caches[i]
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
                                   spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None)
             attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
-            o = F.linear(attn, layer.o)
+            o = ops.linear(attn, layer.o)
             if lora is not None:
                 lora.add_group(i, "o", o, attn)
             shrink = lora.shrink_args(i, "gate_up") if fuse else None
             x, h, part = ops.add_rms_norm(x, o, layer.post_norm, eps, shrink)
-            gate_up = F.linear(h, layer.gate_up)
+            gate_up = ops.linear(h, layer.gate_up)
             if lora is not None and not fuse:
                 lora.add_group(i, "gate_up", gate_up, h)
             act, part = ops.silu_mul(gate_up, lora.silu_args(i, part) if fuse else None)
-            delta = F.linear(act, layer.down)
+            delta = ops.linear(act, layer.down)
             if fuse:
                 lora.expand_down(i, delta, part)
             elif lora is not None:
                 lora.add_group(i, "down", delta, act)
         x = x[logits_indices] + delta[logits_indices]
         x = rms_norm(x, self.norm, eps)
-        return F.linear(x, self.lm_head).float()
+        return ops.linear(x, self.lm_head).float()
 
 
 class TorchOps:
@@ -201,6 +201,7 @@ class TorchOps:
     (It fuses no LoRA math: the model applies every group's delta with the LoRA op.)"""
 
     fuses_lora = False
+    linear = staticmethod(F.linear)
 
     @staticmethod
     def add_rms_norm(x, delta, weight, eps, lora=None):

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_gemm import skinny_linear
+
 _NORM_CHUNK = 128  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
 _SILU_BLOCK = 1024  # columns of one silu_mul program
 _SILU_LORA_BLOCK = 512  # ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
@@ -330,6 +332,7 @@ class TritonOps:
 
     fuses_lora = True
     max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
+    linear = staticmethod(skinny_linear)  # F.linear unless LORASERVE_SKINNY_GEMM=1 (kernels/triton_gemm.py)
     add_rms_norm = staticmethod(add_rms_norm)
     rope_write_kv = staticmethod(rope_write_kv)
     silu_mul = staticmethod(silu_mul)

@@ -70,6 +70,19 @@ def test_graphs_with_mapped_inputs_reproduce_the_eager_engine(setup, spec):
     assert engine.runner.graphs._upload.__name__ == "_mapped_copy"
 
 
+@pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
+def test_graphs_with_the_skinny_gemm_reproduce_the_eager_engine(setup, spec, monkeypatch):
+    """LORASERVE_SKINNY_GEMM=1: decode-sized products through kernels/triton_gemm.py (float32 here: exact
+    products, so the tokens match the eager engine's)."""
+    from engine_ext.kernels import triton_gemm
+
+    monkeypatch.setattr(triton_gemm, "ENABLED", True)
+    model, adapters, expected = setup
+    engine = _engine(model, adapters, spec, **FAST)
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_kernels_without_graphs_reproduce_the_eager_engine(setup):
     model, adapters, expected = setup
     engine = _engine(model, adapters, None, device="cuda", lora_backend="triton", attn_backend="triton")
