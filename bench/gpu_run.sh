@@ -36,6 +36,14 @@ for step in $STEPS; do
       LORASERVE_SKINNY_GEMM=1 timeout 150 python3 bench/decode.py --ranks 16 --batches 32 --adapters 0 32 \
         --sections forward --out "$OUT/forward_skinny.json" 2>&1 | quiet >"$OUT/forward_skinny.log"
       echo "skinny rc $?" ;;
+    bigchunk)  # point 4: mapped inputs and the adapter copy in one piece (no chunking)
+      LORASERVE_COPY_CHUNK_MB=1024 timeout 120 python3 bench/decode.py --ranks 16 64 --batches 32 --adapters 32 \
+        --sections load --graph-inputs mapped --out "$OUT/load_mapped_onecopy.json" 2>&1 | quiet >"$OUT/load_onecopy.log"
+      echo "bigchunk rc $?" ;;
+    8b)  # the 8B shape, base and plain
+      timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
+        --sections forward --out "$OUT/forward_8b.json" 2>&1 | quiet >"$OUT/forward_8b.log"
+      echo "8b rc $?" ;;
     fused)
       timeout 100 python3 bench/fused_sweep.py >"$OUT/fused.log" 2>&1; echo "fused rc $?" ;;
     attn)
@@ -47,7 +55,8 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "forward_skinny.json", "load_mapped.json", "gate.json"):
+for name in ("forward.json", "forward_skinny.json", "forward_8b.json", "load_mapped.json",
+             "load_mapped_onecopy.json", "gate.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue
