@@ -32,10 +32,14 @@ for step in $STEPS; do
       echo "gate rc $?" ;;
     gemm)  # the skinny decode GEMM against F.linear (LORASERVE_SKINNY_GEMM)
       timeout 150 python3 bench/gemm_sweep.py >"$OUT/gemm.log" 2>&1; echo "gemm rc $?" ;;
-    skinny)  # points 1 and 2 with the skinny GEMM on
-      LORASERVE_SKINNY_GEMM=1 timeout 150 python3 bench/decode.py --ranks 16 --batches 32 --adapters 0 32 \
-        --sections forward --out "$OUT/forward_skinny.json" 2>&1 | quiet >"$OUT/forward_skinny.log"
+    skinny)  # points 1 and 2 with the candidates that are off by default: the skinny GEMM, the o shrink in attention
+      LORASERVE_SKINNY_GEMM=1 LORASERVE_FOLD_O_SHRINK=1 timeout 150 python3 bench/decode.py --ranks 16 --batches 32 \
+        --adapters 0 32 --sections forward --out "$OUT/forward_skinny.json" 2>&1 | quiet >"$OUT/forward_skinny.log"
       echo "skinny rc $?" ;;
+    fold)  # the o shrink in attention alone
+      LORASERVE_FOLD_O_SHRINK=1 timeout 120 python3 bench/decode.py --ranks 16 --batches 32 --adapters 32 \
+        --sections forward --out "$OUT/forward_fold.json" 2>&1 | quiet >"$OUT/forward_fold.log"
+      echo "fold rc $?" ;;
     bigchunk)  # point 4: mapped inputs and the adapter copy in one piece (no chunking)
       LORASERVE_COPY_CHUNK_MB=1024 timeout 120 python3 bench/decode.py --ranks 16 64 --batches 32 --adapters 32 \
         --sections load --graph-inputs mapped --out "$OUT/load_mapped_onecopy.json" 2>&1 | quiet >"$OUT/load_onecopy.log"
@@ -55,7 +59,7 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "forward_skinny.json", "forward_8b.json", "load_mapped.json",
+for name in ("forward.json", "forward_skinny.json", "forward_fold.json", "forward_8b.json", "load_mapped.json",
              "load_mapped_onecopy.json", "gate.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):

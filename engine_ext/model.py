@@ -62,10 +62,11 @@ class LoRABatch:
         _, b, scale, _ = self.groups["gate_up"]
         return part, b[layer], scale[layer], self.groups["down"][0][layer], self.slots
 
-    def expand_down(self, layer: int, y: torch.Tensor, part: torch.Tensor) -> None:
+    def expand(self, layer: int, group: str, y: torch.Tensor, part: torch.Tensor) -> None:
+        """y += the expand of a one-module group (o, down) from shrink partials a fused kernel left."""
         from .kernels.triton_lora import lora_expand
 
-        _, b, scale, _ = self.groups["down"]
+        _, b, scale, _ = self.groups[group]
         lora_expand(y, part, b[layer], scale[layer], self.slots, b.shape[1] - 1)
 
     def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
@@ -167,6 +168,8 @@ class CausalLM(nn.Module):
         # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel.
         fuse = (lora is not None and lora.groups is not None and getattr(ops, "fuses_lora", False)
                 and input_ids.shape[0] <= ops.max_fused_lora_tokens)
+        fold_o = (fuse and getattr(ops, "fold_o_shrink", False)
+                  and getattr(meta.kernel, "folds_lora_shrink", False))  # see kernels/triton_attention.py
         for i, layer in enumerate(self.layers):
             shrink = lora.shrink_args(i, "qkv") if fuse else None
             x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink)
@@ -176,10 +179,16 @@ class CausalLM(nn.Module):
             k_cache, v_cache = kv_caches[i]
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
                                   spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None)
-            attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
-            o = ops.linear(attn, layer.o)
-            if lora is not None:
-                lora.add_group(i, "o", o, attn)
+            if fold_o:  # the o shrink rides in the attention kernel's epilogue; only its expand is left
+                attn, part = meta.kernel(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i],
+                                         lora=lora.shrink_args(i, "o"))
+                o = ops.linear(attn.reshape(-1, qs), layer.o)
+                lora.expand(i, "o", o, part)
+            else:
+                attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
+                o = ops.linear(attn, layer.o)
+                if lora is not None:
+                    lora.add_group(i, "o", o, attn)
             shrink = lora.shrink_args(i, "gate_up") if fuse else None
             x, h, part = ops.add_rms_norm(x, o, layer.post_norm, eps, shrink)
             gate_up = ops.linear(h, layer.gate_up)
@@ -188,7 +197,7 @@ class CausalLM(nn.Module):
             act, part = ops.silu_mul(gate_up, lora.silu_args(i, part) if fuse else None)
             delta = ops.linear(act, layer.down)
             if fuse:
-                lora.expand_down(i, delta, part)
+                lora.expand(i, "down", delta, part)
             elif lora is not None:
                 lora.add_group(i, "down", delta, act)
         x = x[logits_indices] + delta[logits_indices]

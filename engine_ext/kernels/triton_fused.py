@@ -25,6 +25,8 @@ expand that reads them (lora_expand's layout).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -333,6 +335,9 @@ class TritonOps:
     fuses_lora = True
     max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
     linear = staticmethod(skinny_linear)  # F.linear unless LORASERVE_SKINNY_GEMM=1 (kernels/triton_gemm.py)
+    # Fold the o_proj LoRA shrink into the attention kernel at decode (kernels/triton_attention.py): one launch
+    # fewer per layer. Off until measured on the GPU (LORASERVE_FOLD_O_SHRINK=1).
+    fold_o_shrink = os.environ.get("LORASERVE_FOLD_O_SHRINK", "0") == "1"
     add_rms_norm = staticmethod(add_rms_norm)
     rope_write_kv = staticmethod(rope_write_kv)
     silu_mul = staticmethod(silu_mul)

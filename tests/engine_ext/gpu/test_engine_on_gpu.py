@@ -83,6 +83,18 @@ def test_graphs_with_the_skinny_gemm_reproduce_the_eager_engine(setup, spec, mon
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
+def test_graphs_with_the_o_shrink_in_attention_reproduce_the_eager_engine(setup, spec, monkeypatch):
+    """LORASERVE_FOLD_O_SHRINK=1: at decode the o_proj LoRA shrink runs in the attention kernel's epilogue."""
+    from engine_ext.kernels.triton_fused import TritonOps
+
+    monkeypatch.setattr(TritonOps, "fold_o_shrink", True)
+    model, adapters, expected = setup
+    engine = _engine(model, adapters, spec, **FAST)
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_kernels_without_graphs_reproduce_the_eager_engine(setup):
     model, adapters, expected = setup
     engine = _engine(model, adapters, None, device="cuda", lora_backend="triton", attn_backend="triton")

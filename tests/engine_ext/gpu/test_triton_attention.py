@@ -89,3 +89,42 @@ def test_every_launch_setting_matches_the_reference(setting, dtype, head_dim, mo
     ref = paged_attention(q.float(), kc.float(), vc.float(), meta, head_dim**-0.5)
     out = ta.paged_attention_triton(q, kc, vc, meta, head_dim**-0.5)
     assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rank", [(32, 8, 64, 16), (28, 4, 128, 64)])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_o_proj_shrink(heads, kv_heads, head_dim, rank, split, mode, dtype, monkeypatch):
+    """lora=(A_o, slots): the attention epilogue (or the split-KV combine) also returns the o_proj shrink
+    partials, part.sum(0)[t] = out[t].flatten() @ A_o[slot[t]] for every token off the skip slot S-1."""
+    from engine_ext.kernels import triton_attention as ta
+
+    monkeypatch.setattr(ta, "MAX_SPLITS", 8 if split else 1)
+    monkeypatch.setattr(ta, "SPLIT_BUDGET", 1 << 16 if split else 256)
+    gen = torch.Generator("cuda").manual_seed(heads + rank + (mode == "verify"))
+    nseq = 12
+    qlens = [1] * nseq if mode == "decode" else torch.randint(1, 6, (nseq,), generator=gen, device="cuda").tolist()
+    lens = [n + m for n, m in zip(torch.randint(0, 300, (nseq,), generator=gen, device="cuda").tolist(), qlens)]
+    q, kc, vc, meta = _case(lens, qlens, heads, kv_heads, head_dim, 16, dtype, gen)
+    assert (ta.kv_splits(q.shape[0], kv_heads) > 1) == split
+    nslots = 5
+    a_o = (torch.randn(nslots, heads * head_dim, rank, generator=gen, device="cuda") * (heads * head_dim) ** -0.5)
+    a_o = a_o.to(dtype)
+    a_o[-1].zero_()  # the skip slot
+    seq_slots = torch.randint(0, nslots - 1, (nseq,), generator=gen, device="cuda")
+    seq_slots[::4] = nslots - 1
+    slots = seq_slots[meta.token_seq].contiguous()
+    scale = head_dim**-0.5
+
+    out, part = ta.paged_attention_triton(q, kc, vc, meta, scale, lora=(a_o, slots))
+
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    ref = paged_attention(q.float(), kc.float(), vc.float(), meta, scale)
+    assert _rel(out, ref) < tol
+    assert part.shape == (heads, q.shape[0], rank) and part.dtype == torch.float32
+    live = slots != nslots - 1
+    shrink = torch.einsum("ti,tir->tr", out.reshape(out.shape[0], -1).double(), a_o[slots].double())
+    got = part.sum(0)[live]
+    assert torch.isfinite(got).all()
+    assert _rel(got, shrink[live]) < tol
