@@ -5,9 +5,14 @@ E(a, m) = (1 - a^(m+1)) / (1 - a) tokens (the accepted run plus the target's own
 `max m` base-only passes plus one adapter-on verify pass over sum(m + 1) tokens, against one
 adapter-on pass per token for plain multi-LoRA decoding. Times are measured, per bucket of
 (tokens in the pass, distinct adapters), as exponential moving averages. A greedy cycle queues all its
-passes before its one host sync, so its passes are not timed one by one: the speculator splits the
-cycle's wall time (host work included) over them in proportion to their device time (PassClock). That
-keeps the per-pass model, and its prediction for a repeat of that cycle is the measured cycle time.
+passes before its one host sync, so its passes are timed on the device (PassClock), and the rest of the
+cycle's wall time (host work not hidden behind the device: packing the first pass, the sync, settling the
+tokens) is recorded once per cycle as its "overhead", by batch size. A cycle is predicted at overhead +
+M drafting passes + the verify pass: the overhead is paid once whatever M is, which is what makes longer
+cycles cheaper per token. (Spreading it over the passes in proportion to their device time, as an earlier
+version did, charged it M times over and made every M look alike.) Plain steps are timed by wall clock,
+their own host work included. A sampled cycle syncs after every pass, so its passes are timed by wall
+clock one by one and it records no overhead.
 """
 
 from __future__ import annotations
@@ -197,8 +202,9 @@ class Gate:
         t_verify = self.adapter_on_time(sum(m + 1 for m in lengths) + num_base, distinct)
         if t_base is None or t_verify is None:
             return None
+        t_over = self.times.get("overhead", batch, 0) or 0.0  # once per cycle (greedy cycles; see above)
         gained = sum(expected_tokens(self.adapter(a).ema, m) for a, m in zip(adapters, lengths))
-        return (gained + num_base * (passes + 1)) / (passes * t_base + t_verify)
+        return (gained + num_base * (passes + 1)) / (t_over + passes * t_base + t_verify)
 
     def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None) -> bool:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);

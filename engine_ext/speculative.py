@@ -219,12 +219,13 @@ class Speculator:
         drafts = {id(s): [host[at(s, j)] for j in range(lengths[id(s)])] for s in drafters}
         self._settle_all(live, verify, logits, drafts, {}, targets=host[offsets[-1] :])
 
-        # The passes' share of the cycle's wall time (host work included), for the gate's per-pass cost model.
-        scale = (time.perf_counter() - start) / (sum(spans) or 1.0)
+        # For the gate: each pass's device time, and the rest of the cycle's wall time once (spec_gate's docstring).
+        wall = time.perf_counter() - start
         for n, span in zip(sizes, spans):
-            self._record("base", n, 0, span * scale)
+            self._record("base", n, 0, span)
         distinct = len({s.adapter for s in live if s.adapter is not None})
-        self._record("lora", sum(len(w.token_ids) for w in verify), distinct, spans[-1] * scale)
+        self._record("lora", sum(len(w.token_ids) for w in verify), distinct, spans[-1])
+        self._record("overhead", len(seqs), 0, max(0.0, wall - sum(spans)))
 
     def _settle_all(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict,
                     targets: list[int] | None = None):
