@@ -62,13 +62,6 @@ class LoRABatch:
         _, b, scale, _ = self.groups["gate_up"]
         return part, b[layer], scale[layer], self.groups["down"][0][layer], self.slots
 
-    def expand(self, layer: int, group: str, y: torch.Tensor, part: torch.Tensor) -> None:
-        """y += the expand of a one-module group (o, down) from shrink partials a fused kernel left."""
-        from .kernels.triton_lora import lora_expand
-
-        _, b, scale, _ = self.groups[group]
-        lora_expand(y, part, b[layer], scale[layer], self.slots, b.shape[1] - 1)
-
     def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """The deltas of every module of `group` on the fused output y (columns in module order)."""
         if self.groups is not None:
@@ -165,7 +158,8 @@ class CausalLM(nn.Module):
         scale = spec.head_dim**-0.5
         delta = None  # the previous sub-block's output, not yet added to the residual stream x
         # With fused kernels (ops.fuses_lora) and the slots' group stacks, the q/k/v and gate/up shrinks ride
-        # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel.
+        # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel,
+        # and the down expand in the down product (ops.linear's `lora`: its epilogue, or a separate expand).
         fuse = (lora is not None and lora.groups is not None and getattr(ops, "fuses_lora", False)
                 and input_ids.shape[0] <= ops.max_fused_lora_tokens)
         fold_o = (fuse and getattr(ops, "fold_o_shrink", False)
@@ -179,11 +173,10 @@ class CausalLM(nn.Module):
             k_cache, v_cache = kv_caches[i]
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
                                   spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None)
-            if fold_o:  # the o shrink rides in the attention kernel's epilogue; only its expand is left
+            if fold_o:  # the o shrink rides in the attention kernel's epilogue, its expand in the o product's
                 attn, part = meta.kernel(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i],
                                          lora=lora.shrink_args(i, "o"))
-                o = ops.linear(attn.reshape(-1, qs), layer.o)
-                lora.expand(i, "o", o, part)
+                o = ops.linear(attn.reshape(-1, qs), layer.o, None, lora.expand_args(i, "o", part))
             else:
                 attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
                 o = ops.linear(attn, layer.o)
@@ -195,10 +188,8 @@ class CausalLM(nn.Module):
             if lora is not None and not fuse:
                 lora.add_group(i, "gate_up", gate_up, h)
             act, part = ops.silu_mul(gate_up, lora.silu_args(i, part) if fuse else None)
-            delta = ops.linear(act, layer.down)
-            if fuse:
-                lora.expand(i, "down", delta, part)
-            elif lora is not None:
+            delta = ops.linear(act, layer.down, None, lora.expand_args(i, "down", part) if fuse else None)
+            if lora is not None and not fuse:
                 lora.add_group(i, "down", delta, act)
         x = x[logits_indices] + delta[logits_indices]
         x = rms_norm(x, self.norm, eps)
@@ -210,7 +201,13 @@ class TorchOps:
     (It fuses no LoRA math: the model applies every group's delta with the LoRA op.)"""
 
     fuses_lora = False
-    linear = staticmethod(F.linear)
+
+    @staticmethod
+    def linear(x, weight, bias=None, lora=None):
+        """F.linear. (Ops that fuse LoRA also take `lora`, a one-module group's expand: see TritonOps.)"""
+        if lora is not None:
+            raise ValueError("TorchOps.linear applies no LoRA: the model adds it with the LoRA op")
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def add_rms_norm(x, delta, weight, eps, lora=None):

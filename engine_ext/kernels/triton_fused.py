@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import rnd as _rnd
 from .triton_gemm import skinny_linear
 
 _NORM_CHUNK = 128  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
@@ -50,22 +51,6 @@ _ROPE_LORA_WARPS = 1
 # (one token per sequence) but not for verify passes (k+1 tokens per sequence): above this many tokens in
 # a forward the model applies LoRA with the group op (run-tiled split kernels) instead.
 MAX_FUSED_LORA_TOKENS = 32  # measured: a k=1 verify at batch 32 (64 tokens) costs 2.85 ms fused, split less
-
-
-@triton.jit
-def _rnd(x, dt: tl.constexpr):
-    """x (fp32) rounded to dt and back: torch's rounding of every intermediate bf16/fp16 result. bf16 by
-    integer round-to-nearest-even on the bits (a plain to(bf16).to(fp32) pair can be folded away by the
-    compiler, which then keeps fp32 precision where torch rounds)."""
-    if dt == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dt == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
-
 
 
 def _rank_block(r: int) -> int:
@@ -334,7 +319,9 @@ class TritonOps:
 
     fuses_lora = True
     max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
-    linear = staticmethod(skinny_linear)  # F.linear unless LORASERVE_SKINNY_GEMM=1 (kernels/triton_gemm.py)
+    # F.linear (+ `lora`: a one-module group's expand, by lora_expand) unless LORASERVE_SKINNY_GEMM=1, which runs
+    # decode-sized products and the expand in one Triton kernel (kernels/triton_gemm.py).
+    linear = staticmethod(skinny_linear)
     # Fold the o_proj LoRA shrink into the attention kernel at decode (kernels/triton_attention.py): one launch
     # fewer per layer. Off until measured on the GPU (LORASERVE_FOLD_O_SHRINK=1).
     fold_o_shrink = os.environ.get("LORASERVE_FOLD_O_SHRINK", "0") == "1"

@@ -12,6 +12,10 @@ the partials in split order, writes y and resets the counter (so a CUDA graph re
 The counters are one buffer per device: products on two streams at once must not share it (the engine runs
 its forwards on one stream).
 
+With `lora`, the epilogue also adds the LoRA expand of a one-module group (o_proj, down_proj) from the
+shrink partials a fused kernel left (the attention kernel for o, the SiLU kernel for down): each output
+tile reads its rows' B tiles, which removes the two expand launches of a decode layer.
+
 Off unless LORASERVE_SKINNY_GEMM=1 (not yet measured against the library on a GPU; bench/gemm_sweep.py
 does that). Used for forwards of at most MAX_ROWS tokens; larger ones call F.linear.
 """
@@ -25,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .rounding import rnd
+
 ENABLED = os.environ.get("LORASERVE_SKINNY_GEMM", "0") == "1"
 MAX_ROWS = int(os.environ.get("LORASERVE_SKINNY_MAX_ROWS", "32"))
 # Launch settings (bench/gemm_sweep.py sweeps them): column tile, K step, warps, pipeline stages, and the number
@@ -36,13 +42,41 @@ NUM_STAGES = int(os.environ.get("LORASERVE_SKINNY_STAGES", "4"))
 TARGET_BLOCKS = int(os.environ.get("LORASERVE_SKINNY_TARGET_BLOCKS", "264"))  # two per SM on the H200
 _MAX_TILES = 1 << 14
 _SMEM_BUDGET = 160 << 10  # bytes (H200: 227 KB of shared memory per block)
+_LORA_TILE = 8192  # fp32 elements of the LoRA epilogue's [rows, ranks, columns] product per step (64 registers a thread)
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
+def _lora_epilogue(y, offs_m, offs_n, mm, mn, part_ptr, b_ptr, scale_ptr, slots_ptr, R, num_parts, skip_slot,
+                   stride_ps, stride_pt, stride_bs, stride_br, stride_ss, DT: tl.constexpr, BLOCK_R: tl.constexpr,
+                   R_CHUNK: tl.constexpr, PARTS: tl.constexpr):
+    """y (fp32 [BLOCK_M, BLOCK_N], already rounded to DT) plus each row's LoRA expand, as lora_expand adds it:
+    s = (sum over parts of part[:, m]) * scale[slot(m)] rounded to DT, delta = s @ B[slot(m), :, cols]. Every
+    row has its own slot, so the product is a batched mat-vec over R_CHUNK ranks at a time."""
+    slot = tl.load(slots_ptr + offs_m, mask=mm, other=skip_slot).to(tl.int64)
+    live = mm & (slot != skip_slot)
+    sc = tl.load(scale_ptr + slot * stride_ss, mask=live, other=0.0).to(tl.float32)
+    offs_p = tl.arange(0, PARTS)
+    delta = tl.zeros_like(y)
+    for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
+        offs_r = r0 + tl.arange(0, R_CHUNK)
+        mr = offs_r < R
+        parts = tl.load(part_ptr + offs_p[:, None, None] * stride_ps + offs_m[None, :, None].to(tl.int64) * stride_pt
+                        + offs_r[None, None, :],
+                        mask=(offs_p[:, None, None] < num_parts) & live[None, :, None] & mr[None, None, :], other=0.0)
+        s = rnd(tl.sum(parts, axis=0) * sc[:, None], DT)  # [BLOCK_M, R_CHUNK]
+        b = tl.load(b_ptr + slot[:, None, None] * stride_bs + offs_r[None, :, None] * stride_br + offs_n[None, None, :],
+                    mask=live[:, None, None] & mr[None, :, None] & mn[None, None, :], other=0.0)
+        delta += tl.sum(s[:, :, None] * b.to(tl.float32), axis=1)
+    return y + delta
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-                   stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                   stride_ym, part_ptr, b_ptr, scale_ptr, slots_ptr, R, num_parts, skip_slot, stride_ps, stride_pt,
+                   stride_bs, stride_br, stride_ss, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   LORA: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr, PARTS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -65,10 +99,15 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_pe
             acc += tl.dot(x, tl.trans(w))
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     mask = mm[:, None] & mn[None, :]
+    dt = y_ptr.dtype.element_ty
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if LORA:  # the base product rounded as F.linear rounds it, then the LoRA delta (rounded once more)
+            acc = _lora_epilogue(rnd(acc, dt), offs_m, offs_n, mm, mn, part_ptr, b_ptr, scale_ptr, slots_ptr, R,
+                                 num_parts, skip_slot, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, dt,
+                                 BLOCK_R, R_CHUNK, PARTS)
+        tl.store(y_ptrs, acc.to(dt), mask=mask)
     else:
         # this split's partial, then a ticket; the last split of the tile reduces in split order
         ws_tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -83,7 +122,11 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_pe
                 total += tl.load(ws_ptr + s * M * N + ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(bias_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            if LORA:
+                total = _lora_epilogue(rnd(total, dt), offs_m, offs_n, mm, mn, part_ptr, b_ptr, scale_ptr, slots_ptr,
+                                       R, num_parts, skip_slot, stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
+                                       dt, BLOCK_R, R_CHUNK, PARTS)
+            tl.store(y_ptrs, total.to(dt), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next product (and the next graph replay)
 
 
@@ -100,15 +143,26 @@ def plan(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, block_n, block_k, split
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); through the Triton kernel when enabled and x has at most MAX_ROWS rows."""
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+    """F.linear(x, weight, bias) (+ a LoRA expand, see skinny_matmul); through the Triton kernel when enabled
+    and x has at most MAX_ROWS rows, else F.linear and triton_lora.lora_expand."""
     if not (ENABLED and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.is_cuda):
-        return F.linear(x, weight, bias)
-    return skinny_matmul(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        if lora is not None:
+            from .triton_lora import lora_expand
+
+            part, b, scale, slots = lora
+            lora_expand(y, part, b, scale, slots, b.shape[0] - 1)
+        return y
+    return skinny_matmul(x, weight, bias, lora)
 
 
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, always through the Triton kernel."""
+def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, always through the Triton kernel.
+
+    `lora`: (part [P, M, R] float32 shrink partials, B [S, R, N], scale [S] or [S, 1], slots [M] long): the
+    LoRA expand of one-module groups (o, down) added in the epilogue, as triton_lora.lora_expand adds it after
+    the product (slot S - 1 skips)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or x.dtype != weight.dtype or (bias is not None and bias.shape != (n,)):
@@ -135,8 +189,22 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             counters = _counters[x.device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=x.device)
     else:
         ws = counters = y
+    if lora is None:  # placeholders (LORA=False never reads them)
+        lora_args, block_r, r_chunk, parts = (y, y, y, y, 0, 0, 0, 0, 0, 0, 0, 0), 1, 1, 1
+    else:
+        part, b, scale, slots = lora
+        rank = b.shape[1]
+        if part.shape[1:] != (m, rank) or b.shape[2] != n or slots.shape != (m,) or b.stride(2) != 1:
+            raise ValueError(f"skinny_matmul: LoRA partials {tuple(part.shape)}, B {tuple(b.shape)} and slots "
+                             f"{tuple(slots.shape)} do not fit a [{m}, {n}] product")
+        lora_args = (part, b, scale, slots, rank, part.shape[0], b.shape[0] - 1, part.stride(0), part.stride(1),
+                     b.stride(0), b.stride(1), scale.stride(0))
+        block_r = triton.next_power_of_2(rank)
+        r_chunk = max(1, min(block_r, _LORA_TILE // (block_m * block_n)))  # [BLOCK_M, chunk, BLOCK_N] fp32 product
+        parts = triton.next_power_of_2(part.shape[0])
     _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, ws, counters, m, n, k, k_per_split,
-                         x.stride(0), weight.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                         x.stride(0), weight.stride(0), y.stride(0), *lora_args, BLOCK_M=block_m, BLOCK_N=block_n,
                          BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                         LORA=lora is not None, BLOCK_R=block_r, R_CHUNK=r_chunk, PARTS=parts,
                          num_warps=NUM_WARPS, num_stages=stages)
     return y

@@ -74,3 +74,30 @@ def test_refuses_mismatched_operands():
         tg.skinny_matmul(torch.zeros(4, 64, device=DEV), torch.zeros(32, 65, device=DEV))
     with pytest.raises(ValueError, match="unit stride"):
         tg.skinny_matmul(torch.zeros(64, 4, device=DEV).t(), torch.zeros(32, 64, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k,rank,parts", [(32, 2048, 2048, 16, 32), (32, 2048, 8192, 16, 16), (7, 2048, 2048, 64, 4),
+                                              (1, 512, 256, 8, 1)])
+def test_lora_expand_in_the_epilogue(dtype, m, n, k, rank, parts):
+    """y = x @ W^T, then the one-module LoRA expand from shrink partials, as F.linear + lora_expand give it
+    (with split K too: the reducing split adds it)."""
+    from engine_ext.kernels import triton_gemm as tg
+    from engine_ext.kernels.triton_lora import lora_expand
+
+    g = torch.Generator(DEV).manual_seed(m + n + rank)
+    slots_n = 9
+    x = torch.randn(m, k, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(dtype)
+    part = torch.randn(parts, m, rank, device=DEV, generator=g) * parts**-0.5
+    b = (torch.randn(slots_n, rank, n, device=DEV, generator=g) * 0.1).to(dtype)
+    b[-1] = 0
+    scale = torch.rand(slots_n, 1, device=DEV, generator=g) * 2
+    slots = torch.randint(0, slots_n, (m,), device=DEV, generator=g)
+    ref = F.linear(x, w)
+    lora_expand(ref, part, b, scale, slots, slots_n - 1)
+    y = tg.skinny_matmul(x, w, None, (part, b, scale, slots))
+    _close(y, ref, dtype)
+    base = slots == slots_n - 1
+    _close(y[~base], ref[~base], dtype)
+    assert torch.equal(tg.skinny_matmul(x, w, None, (part, b, scale, slots)), y)
