@@ -132,8 +132,9 @@ def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, ba
     as the scheduler polls, against one pinned host-to-device copy of the adapter's real bytes
     (2 * rank * layers * sum(in + out)); medians of `repeats`, on an idle GPU.
     (ii) inter-token latency: `batch` requests decoding on warm adapters through LLMEngine.step() (plain
-    multi-LoRA); every `every`-th step a cold load is issued just before the step, where the scheduler
-    issues it. Steps with a copy in flight against the steps with none."""
+    multi-LoRA); every `every`-th step a cold load is activated just before the step, where the scheduler
+    activates it, and its copy is issued once the step's forward is queued (AdapterSlots.flush). Steps with a
+    copy in flight against the steps with none."""
     spec, adapters, slots = engine.spec, engine.adapters, engine.adapters.slots
     real_bytes = 2 * rank * spec.num_layers * sum(i + o for i, o in spec.module_shapes().values())
     packed = adapters.add("cold", os.path.join(workdir, f"{shape}-r{rank}"))  # parsed, packed and pinned
@@ -148,6 +149,7 @@ def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, ba
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         adapters.try_activate("cold", set())
+        slots.flush()  # where the engine issues it: right after queuing its step's forward (AdapterSlots.flush)
         t1 = time.perf_counter()
         while not adapters.ready("cold"):
             pass

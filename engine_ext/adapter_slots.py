@@ -7,8 +7,11 @@ so a fused group (q/k/v, gate/up) is read as one matrix, plus a float32 `scale_s
     row = [qkv A [L, in, 3R] | qkv B [L, R, q+2kv] | o A | o B | gate_up A | gate_up B | down A | down B]
 
 An adapter is packed once on the host into the same layout at its own rank (`pack_adapter`), so a load
-is one host-to-device copy of its bytes. On a GPU that copy runs on a side stream: `activate` returns at
-once and `ready(name)` says when the copy has landed; a slot whose copy is in flight is never evicted.
+is one host-to-device copy of its bytes. On a GPU that copy runs on a side stream: `activate` only takes
+the slot and marks where the compute stream stands; the copy is issued by `flush`, which the model runner
+calls right after it has queued a forward (and the engine at the end of every step), so the host time of
+issuing it passes while the device runs that forward rather than delaying it. `ready(name)` says when the
+copy has landed; a slot whose copy is pending or in flight is never evicted.
 """
 
 from __future__ import annotations
@@ -141,8 +144,12 @@ class LRUPolicy:
 
 @dataclass
 class _Load:
-    done: torch.cuda.Event
-    keep: tuple  # what the copy reads (host buffers, device staging): alive until it has landed
+    """A copy into one slot, from `activate` until it has landed: pending (`done` None) until `flush` issues it."""
+
+    adapter: PackedAdapter
+    after: torch.cuda.Event  # the compute stream when the slot was taken: forwards before it may read the victim
+    done: torch.cuda.Event | None = None
+    keep: tuple = ()  # what the copy reads (host buffers, device staging): alive until it has landed
 
 
 class AdapterSlots:
@@ -205,16 +212,24 @@ class AdapterSlots:
         return bool(self._loads)
 
     def synchronize(self) -> None:
-        """Block the host until every copy in flight has landed (tests, benchmarks)."""
+        """Block the host until every copy, pending or in flight, has landed (tests, benchmarks)."""
+        self.flush()
         for slot, load in list(self._loads.items()):
             load.done.synchronize()
             self._landed(slot)
+
+    def flush(self) -> None:
+        """Issue the copies `activate` left pending. The model runner calls this right after queuing a forward,
+        so that the host time of issuing them overlaps the device's work (and the engine once per step)."""
+        for slot, load in self._loads.items():
+            if load.done is None:
+                self._issue(slot, load)
 
     def _landed(self, slot: int) -> bool:
         load = self._loads.get(slot)
         if load is None:
             return True
-        if not load.done.query():
+        if load.done is None or not load.done.query():
             return False
         # The copy has completed; making the compute stream wait on it as well orders every later
         # forward after it by CUDA's rules, not only by this poll.
@@ -235,8 +250,8 @@ class AdapterSlots:
         return self.slot_of(name) is not None or self._free_or_victim(busy) is not None
 
     def activate(self, adapter: PackedAdapter, busy: set[str]) -> int:
-        """Start copying an adapter into a slot (evicting the policy's victim if all are taken); returns the
-        slot. On a GPU the copy runs on `copy_stream` and this returns at once: see `ready`."""
+        """Take a slot for an adapter (evicting the policy's victim if all are taken) and start its copy; returns
+        the slot. On a GPU the copy is left pending for `flush`, then runs on `copy_stream`: see `ready`."""
         slot = self.slot_of(adapter.name)
         if slot is None:
             if adapter.rank > self.layout.rank or adapter.layout.num_layers != self.layout.num_layers:
@@ -277,8 +292,15 @@ class AdapterSlots:
             row.copy_(adapter.data) if direct else self._unpack(row, adapter.data, adapter.layout)
             scales.copy_(adapter.scales)
             return
-        # Forwards already queued may still read the victim's row: the copy starts after them.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Forwards already queued may still read the victim's row: the copy starts after them. Issued by `flush`.
+        after = torch.cuda.Event()
+        after.record(torch.cuda.current_stream(self.device))
+        self._loads[slot] = _Load(adapter, after)
+
+    def _issue(self, slot: int, load: _Load) -> None:
+        adapter, row, scales = load.adapter, self.slab[slot], self.scale_slab[slot]
+        direct = adapter.layout == self.layout
+        self.copy_stream.wait_event(load.after)
         with torch.cuda.stream(self.copy_stream):
             dst = row if direct else torch.empty(adapter.data.shape, dtype=row.dtype, device=self.device)
             chunk = _COPY_CHUNK_BYTES // adapter.data.element_size()
@@ -289,7 +311,7 @@ class AdapterSlots:
             scales.copy_(adapter.scales, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
-        self._loads[slot] = _Load(done, (adapter.data, adapter.scales, dst))
+        load.done, load.keep = done, (adapter.data, adapter.scales, dst)
 
     def _unpack(self, row: torch.Tensor, src: torch.Tensor, layout: SlotLayout) -> None:
         """Write a row packed at a lower rank (or over fewer groups) into a slot row; the rest is zero."""

@@ -129,6 +129,7 @@ class LLMEngine:
             touched = self.speculator.step()
         else:
             touched = self.run_plain(self.scheduler.schedule().seqs)
+        self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
         self.num_steps += 1
         return self._emit(touched)
 

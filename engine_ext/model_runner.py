@@ -63,10 +63,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True) -> torch.Tensor:
-        """Returns next-token logits [sum(num_logits), vocab] float32. `use_lora=False`: the base model."""
+        """Returns next-token logits [sum(num_logits), vocab] float32. `use_lora=False`: the base model.
+        Adapter copies left pending are issued once the forward is queued (AdapterSlots.flush)."""
         if self.graphs is not None and self.graphs.fits(work):
-            return self.graphs.run(work, slots, use_lora)
-        return self._run_eager(work, slots, use_lora)
+            logits = self.graphs.run(work, slots, use_lora)
+        else:
+            logits = self._run_eager(work, slots, use_lora)
+        slots.flush()
+        return logits
 
     @torch.inference_mode()
     def run_async(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True,
@@ -79,8 +83,11 @@ class ModelRunner:
         the output of a forward still queued; its id in `work` is then a placeholder. The logits may be a view
         of a graph's output buffer: consume or clone them before queuing the next forward."""
         if self.graphs is not None and self.graphs.fits(work):
-            return self.graphs.run_async(work, slots, use_lora, tokens, token_src)
-        return self._run_eager(work, slots, use_lora, tokens, token_src)
+            logits = self.graphs.run_async(work, slots, use_lora, tokens, token_src)
+        else:
+            logits = self._run_eager(work, slots, use_lora, tokens, token_src)
+        slots.flush()
+        return logits
 
     def _run_eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool,
                    tokens: torch.Tensor | None = None, token_src: list[int] | None = None) -> torch.Tensor:

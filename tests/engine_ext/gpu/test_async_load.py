@@ -73,6 +73,24 @@ def test_a_slot_is_loading_until_its_copy_lands(setup):
     assert torch.equal(slots.slab.cpu(), ref.slab)
 
 
+def test_a_copy_is_issued_once_a_forward_is_queued(setup):
+    """activate only takes the slot; the copy is issued by flush, which the runner calls after queuing a forward,
+    so its host time overlaps the device's work. Until then the slot is loading, not ready, not evictable."""
+    model, adapters = setup
+    engine = _engine(model, adapters, True)
+    slots = engine.adapters.slots
+    engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=2))  # graphs captured
+    assert engine.adapters.try_activate("y64", set())
+    slot = slots.slot_of("y64")
+    assert slots._loads[slot].done is None  # pending: nothing issued yet
+    assert slots.loading and not slots.ready("y64") and not slots.deactivate("y64")
+    engine.add_request("z", prompt_token_ids=[4, 5, 6], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # its forward is queued, then the pending copy issued
+    assert slots._loads.get(slot) is None or slots._loads[slot].done is not None
+    slots.synchronize()
+    assert slots.ready("y64") and not slots.loading
+
+
 def _engine(model, adapters, fast: bool | str) -> LLMEngine:
     """fast: False (eager torch), True (Triton + graphs), "mapped" (... with graph_inputs="mapped")."""
     kw = dict(lora_backend="triton", attn_backend="triton", cuda_graphs=True, max_graph_tokens=48) if fast else {}
