@@ -158,3 +158,78 @@ def test_packed_adapter_holds_only_its_groups_at_its_rank(ranks, groups):
     real = packed.rank * SPEC.num_layers * sum(sum(shapes[m]) for g in groups for m in LORA_GROUPS[g])
     assert real <= packed.data.numel() < real + 2 * 64 * len(groups)  # 128-byte block alignment at most
     assert packed.layout == SlotLayout.build(SPEC, packed.rank, groups)
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: complete once `land()` is called (the copy engine finishing)."""
+
+    issued: list["_FakeEvent"] = []
+
+    def __init__(self):
+        self.recorded = self.landed = False
+
+    def record(self, stream=None):
+        self.recorded = True
+        _FakeEvent.issued.append(self)
+
+    def query(self):
+        return self.landed
+
+    def synchronize(self):
+        self.landed = True
+
+
+class _FakeStream:
+    def __init__(self):
+        self.waited: list[_FakeEvent] = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+    def wait_stream(self, stream):
+        pass
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    """AdapterSlots on the CPU with its GPU path switched on: a fake copy stream and fake events (the copies
+    themselves are real tensor copies), to check the pending/flush bookkeeping without a GPU."""
+    import contextlib
+
+    from engine_ext import adapter_slots as mod
+
+    _FakeEvent.issued = []
+    monkeypatch.setattr(mod.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(mod.torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(mod.torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    s = slots(max_loras=1)
+    s.copy_stream = _FakeStream()
+    return s
+
+
+def test_a_copy_is_pending_until_flush_then_lands(deferred):
+    s = deferred
+    w = weights("x", {m: 4 for m in LORA_MODULES}, seed=1)  # lower rank: staged, then unpacked
+    slot = load(s, w)
+    assert s.slot_of("x") == slot and s._loads[slot].done is None  # taken, nothing issued
+    assert_zero(s, slot)
+    assert s.loading and not s.ready("x") and not s.deactivate("x")
+    assert not s.can_activate("y", busy=set())  # the only slot is loading: not evictable
+    s.flush()
+    load_ = s._loads[slot]
+    assert load_.done is not None and s.copy_stream.waited == [load_.after]  # behind the compute stream's mark
+    assert not s.ready("x")  # issued, not landed
+    load_.done.landed = True
+    assert s.ready("x") and not s.loading
+    assert_slot_holds(s, slot, w)
+    s.flush()  # nothing pending: a no-op
+    assert s.deactivate("x")
+
+
+def test_synchronize_issues_what_is_pending(deferred):
+    s = deferred
+    w = weights("x", ALL, seed=2)  # full rank: copied straight into the row
+    slot = load(s, w)
+    s.synchronize()
+    assert s.ready("x") and not s.loading
+    assert_slot_holds(s, slot, w)
