@@ -130,15 +130,25 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, k_pe
             tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next product (and the next graph replay)
 
 
+# Settings per weight shape (N, K) -> (BLOCK_N, BLOCK_K, stages, target blocks), from bench/gemm_sweep.py;
+# shapes not listed take the module defaults above.
+TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+
+def _settings(n: int, k: int) -> tuple[int, int, int, int]:
+    return TUNED.get((n, k), (BLOCK_N, BLOCK_K, NUM_STAGES, TARGET_BLOCKS))
+
+
 def plan(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) for an [m, k] @ [k, n] product."""
+    want_n, want_k, _, target = _settings(n, k)
     block_m = max(16, triton.next_power_of_2(m))
-    block_n = min(BLOCK_N, max(16, triton.next_power_of_2(n)))
-    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(k)))
+    block_n = min(want_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(want_k, max(16, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     split = 1
-    if TARGET_BLOCKS:
-        while split * 2 * tiles <= TARGET_BLOCKS and k // (split * 2) >= 2 * block_k:
+    if target:
+        while split * 2 * tiles <= target and k // (split * 2) >= 2 * block_k:
             split *= 2
     return block_m, block_n, block_k, split
 
@@ -174,7 +184,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m == 0:
         return y
     block_m, block_n, block_k, split = plan(m, n, k)
-    stages = NUM_STAGES  # the x and W tiles of every pipeline stage fit the shared-memory budget
+    stages = _settings(n, k)[2]  # the x and W tiles of every pipeline stage fit the shared-memory budget
     while stages > 1 and stages * (block_m + block_n) * block_k * x.element_size() > _SMEM_BUDGET:
         stages -= 1
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
