@@ -5,7 +5,7 @@
 #
 #   bash bench/gpu_run.sh            # tests + forward/load (copy and mapped graph inputs) + gate
 #   STEPS="tests forward" bash bench/gpu_run.sh
-set -u
+set -u -o pipefail  # a step's rc is its python's (or timeout's), not the log filter's
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
