@@ -36,6 +36,11 @@ for step in $STEPS; do
       LORASERVE_SKINNY_GEMM=1 LORASERVE_FOLD_O_SHRINK=1 timeout 150 python3 bench/decode.py --ranks 16 --batches 32 \
         --adapters 0 32 --sections forward --out "$OUT/forward_skinny.json" 2>&1 | quiet >"$OUT/forward_skinny.log"
       echo "skinny rc $?" ;;
+    product)  # ... and every LoRA expand in its product's epilogue (the rotary and SiLU kernels then carry none)
+      LORASERVE_SKINNY_GEMM=1 LORASERVE_FOLD_O_SHRINK=1 LORASERVE_EXPAND_IN_PRODUCT=1 timeout 150 python3 \
+        bench/decode.py --ranks 16 --batches 32 --adapters 32 --sections forward --out "$OUT/forward_product.json" \
+        2>&1 | quiet >"$OUT/forward_product.log"
+      echo "product rc $?" ;;
     fold)  # the o shrink in attention alone
       LORASERVE_FOLD_O_SHRINK=1 timeout 120 python3 bench/decode.py --ranks 16 --batches 32 --adapters 32 \
         --sections forward --out "$OUT/forward_fold.json" 2>&1 | quiet >"$OUT/forward_fold.log"
@@ -59,7 +64,8 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "forward_skinny.json", "forward_fold.json", "forward_8b.json", "load_mapped.json",
+for name in ("forward.json", "forward_skinny.json", "forward_product.json", "forward_fold.json",
+             "forward_8b.json", "load_mapped.json",
              "load_mapped_onecopy.json", "gate.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):

@@ -58,9 +58,16 @@ class LoRABatch:
         _, b, scale, _ = self.groups[group]
         return part, b[layer], scale[layer], self.slots
 
-    def silu_args(self, layer: int, part: torch.Tensor) -> tuple:
+    def silu_args(self, layer: int, part: torch.Tensor, expand: bool = True) -> tuple:
+        """gate/up expand (unless the gate_up product's epilogue added it) and the down shrink."""
+        if not expand:
+            return None, None, None, self.groups["down"][0][layer], self.slots
         _, b, scale, _ = self.groups["gate_up"]
         return part, b[layer], scale[layer], self.groups["down"][0][layer], self.slots
+
+    def product_args(self, layer: int, group: str, part: torch.Tensor) -> tuple:
+        """A group's expand for a product's epilogue (ops.linear's `lora`): expand_args plus module starts."""
+        return self.expand_args(layer, group, part) + (self.groups[group][3],)
 
     def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """The deltas of every module of `group` on the fused output y (columns in module order)."""
@@ -164,15 +171,17 @@ class CausalLM(nn.Module):
                 and input_ids.shape[0] <= ops.max_fused_lora_tokens)
         fold_o = (fuse and getattr(ops, "fold_o_shrink", False)
                   and getattr(meta.kernel, "folds_lora_shrink", False))  # see kernels/triton_attention.py
+        in_product = fuse and getattr(ops, "expand_in_product", False)  # q/k/v and gate/up expands too
         for i, layer in enumerate(self.layers):
             shrink = lora.shrink_args(i, "qkv") if fuse else None
             x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink)
-            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = ops.linear(h, layer.qkv, layer.qkv_bias, lora.product_args(i, "qkv", part) if in_product else None)
             if lora is not None and not fuse:
                 lora.add_group(i, "qkv", qkv, h)
             k_cache, v_cache = kv_caches[i]
+            rope_lora = lora.expand_args(i, "qkv", part) if fuse and not in_product else None
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
-                                  spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None)
+                                  spec.num_kv_heads, rope_lora)
             if fold_o:  # the o shrink rides in the attention kernel's epilogue, its expand in the o product's
                 attn, part = meta.kernel(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i],
                                          lora=lora.shrink_args(i, "o"))
@@ -184,10 +193,10 @@ class CausalLM(nn.Module):
                     lora.add_group(i, "o", o, attn)
             shrink = lora.shrink_args(i, "gate_up") if fuse else None
             x, h, part = ops.add_rms_norm(x, o, layer.post_norm, eps, shrink)
-            gate_up = ops.linear(h, layer.gate_up)
+            gate_up = ops.linear(h, layer.gate_up, None, lora.product_args(i, "gate_up", part) if in_product else None)
             if lora is not None and not fuse:
                 lora.add_group(i, "gate_up", gate_up, h)
-            act, part = ops.silu_mul(gate_up, lora.silu_args(i, part) if fuse else None)
+            act, part = ops.silu_mul(gate_up, lora.silu_args(i, part, expand=not in_product) if fuse else None)
             delta = ops.linear(act, layer.down, None, lora.expand_args(i, "down", part) if fuse else None)
             if lora is not None and not fuse:
                 lora.add_group(i, "down", delta, act)

@@ -240,7 +240,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, R, num_splits, R2, skip_slot,
                      stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
                      stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr):
+                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, EXPAND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -253,21 +253,23 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
     dacc = tl.zeros([BLOCK_R2], dtype=tl.float32)
     sg = tl.zeros([BLOCK_R], dtype=tl.float32)
     su = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if do_lora:
-        sg = _lora_row(part_ptr, scale_ptr, slot, row, 0, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
-                       BLOCK_R, dt)
-        su = _lora_row(part_ptr, scale_ptr, slot, row, 1, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
-                       BLOCK_R, dt)
+    if EXPAND:  # else the gate/up deltas are already in gate_up
+        if do_lora:
+            sg = _lora_row(part_ptr, scale_ptr, slot, row, 0, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
+                           BLOCK_R, dt)
+            su = _lora_row(part_ptr, scale_ptr, slot, row, 1, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
+                           BLOCK_R, dt)
     for c0 in range(0, BLOCK, SB):
         cols = nb * BLOCK + c0 + tl.arange(0, SB)
         m = cols < N
         g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
         u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0)
-        if do_lora:
-            dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
-            du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
-            g = (g.to(tl.float32) + dg).to(dt)
-            u = (u.to(tl.float32) + du).to(dt)
+        if EXPAND:
+            if do_lora:
+                dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
+                du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
+                g = (g.to(tl.float32) + dg).to(dt)
+                u = (u.to(tl.float32) + du).to(dt)
         gf = g.to(tl.float32)
         act = (_rnd(gf / (1.0 + tl.exp(-gf)), dt) * u.to(tl.float32)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, act, mask=m)
@@ -284,7 +286,8 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
 
     `lora`: (part [splits, T, 2R] from add_rms_norm, B_gate_up [S, R, 2N], scale [S, 2], A_down [S, N, R2],
     slots [T]): the gate/up deltas are added before the activation, and part_down[c, t] = act[t, block c]
-    @ A_down[slot[t], block c] is returned for lora_expand."""
+    @ A_down[slot[t], block c] is returned for lora_expand. With part, B and scale None, only the down shrink
+    (the gate/up deltas already in gate_up, added by the product's epilogue: kernels/triton_gemm.py)."""
     num_tokens, width = gate_up.shape
     n = width // 2
     if gate_up.stride(1) != 1:
@@ -295,7 +298,10 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
     dpart = None
     if lora is not None:
         part, b, scale, a_down, slots = lora
-        rank, r2 = b.shape[1], a_down.shape[2]
+        expand = part is not None
+        if not expand:  # placeholders the EXPAND=False kernel never reads
+            part, b, scale = a_down.new_zeros(1, 1, 1, dtype=torch.float32), a_down, a_down.new_zeros(1, 1)
+        rank, r2 = (b.shape[1] if expand else 1), a_down.shape[2]
         block_r, block_r2 = _rank_block(rank), _rank_block(r2)
         sb = min(block, _SILU_LORA_SB or max(16, min(block, 8192 // max(block_r, block_r2))))
         dpart = torch.empty(nblocks, num_tokens, r2, dtype=torch.float32, device=gate_up.device)
@@ -305,11 +311,13 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
     else:
         block_r = block_r2 = 1
         sb = block
+        expand = False
         lora_args = (gate_up,) * 6 + (0,) * 13
     if num_tokens:
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
+                                                EXPAND=expand,
                                                 num_warps=_SILU_LORA_WARPS if lora is not None else 4)
     return out, dpart
 
@@ -325,6 +333,10 @@ class TritonOps:
     # Fold the o_proj LoRA shrink into the attention kernel at decode (kernels/triton_attention.py): one launch
     # fewer per layer. Off until measured on the GPU (LORASERVE_FOLD_O_SHRINK=1).
     fold_o_shrink = os.environ.get("LORASERVE_FOLD_O_SHRINK", "0") == "1"
+    # The q/k/v and gate/up expands in their products' epilogue instead of the rotary and SiLU kernels (with
+    # LORASERVE_SKINNY_GEMM=1; without it the products add them with separate expand launches, which is slower).
+    # Off until measured (LORASERVE_EXPAND_IN_PRODUCT=1).
+    expand_in_product = os.environ.get("LORASERVE_EXPAND_IN_PRODUCT", "0") == "1"
     add_rms_norm = staticmethod(add_rms_norm)
     rope_write_kv = staticmethod(rope_write_kv)
     silu_mul = staticmethod(silu_mul)

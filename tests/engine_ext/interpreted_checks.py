@@ -97,6 +97,22 @@ def gemm():
         live = slots != nslots - 1
         ref[live] += torch.einsum("mr,mrn->mn", part.sum(0) * scale[slots], bb[slots])[live]
         _close(tg.skinny_matmul(x, w, b, (part, bb, scale, slots)), ref)
+    # a fused group's expand (three modules, as q/k/v): each column tile takes its module's partials and scale
+    m, n, k, rank, nslots, segs = 9, 128, 2048, 8, 4, (0, 64, 96)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    part = torch.randn(4, m, 3 * rank, generator=g)
+    bb = torch.randn(nslots, rank, n, generator=g)
+    bb[-1] = 0
+    scale = torch.rand(nslots, 3, generator=g)
+    slots = torch.randint(0, nslots, (m,), generator=g)
+    ref = F.linear(x, w)
+    live = slots != nslots - 1
+    for seg, (lo, hi) in enumerate(zip(segs, (64, 96, 128))):
+        s = part.sum(0)[:, seg * rank : (seg + 1) * rank] * scale[slots, seg][:, None]
+        ref[live, lo:hi] += torch.einsum("mr,mrn->mn", s, bb[slots][:, :, lo:hi])[live]
+    tg.TARGET_BLOCKS = 264
+    assert tg.plan(m, n, k, 32)[3] > 1  # split K too
+    _close(tg.skinny_matmul(x, w, None, (part, bb, scale, slots, segs)), ref)
 
 
 def fused():
@@ -146,6 +162,12 @@ def fused():
     act_ref = TorchOps.silu_mul(ref_group(gu, h, ag, bg, sg, (0, inter)))[0]
     act, part_d = tf.silu_mul(gu.clone(), lora=(part_g, bg, sg, ad, slots))
     _close(act, act_ref)
+    # the gate/up deltas already in gate_up (a product's epilogue added them): only the down shrink
+    with_deltas = ref_group(gu, h, ag, bg, sg, (0, inter))
+    act2, part_d2 = tf.silu_mul(with_deltas.clone(), lora=(None, None, None, ad, slots))
+    _close(act2, act_ref)
+    live = slots != S - 1
+    _close(part_d2[:, live], part_d[:, live])
     y0 = torch.randn(T, hid, generator=g)
     y = y0.clone()
     lora_expand(y, part_d, bd, sd, slots, S - 1)
@@ -182,7 +204,7 @@ def host_copy():
 
 def engine():
     """A tiny model through the engine with every Triton path on (the o shrink in attention, the skinny GEMM
-    with its LoRA epilogue, forced split K): the tokens of the plain-torch engine."""
+    with its LoRA epilogue, forced split K; then every expand in a product): the plain-torch engine's tokens."""
     from tiny_models import build_adapter, build_model
 
     from engine_ext import EngineConfig, LLMEngine, SamplingParams
@@ -217,6 +239,10 @@ def engine():
     TritonOps.fold_o_shrink, TritonOps.linear, triton_gemm.TARGET_BLOCKS = True, staticmethod(linear), 64
     assert run(lora_backend="triton", attn_backend="triton") == ref
     assert any(used)  # the epilogue expand ran
+    TritonOps.expand_in_product = True  # q/k/v and gate/up expands in their products too
+    used.clear()
+    assert run(lora_backend="triton", attn_backend="triton") == ref
+    assert sum(used) > 2 * len(used) // 5  # 4 of every 5 decode products carry an expand (the LM head none)
 
 
 if __name__ == "__main__":

@@ -77,10 +77,11 @@ def test_graphs_with_the_skinny_gemm_reproduce_the_eager_engine(setup, spec, mon
     from engine_ext.kernels import triton_gemm
 
     monkeypatch.setattr(triton_gemm, "ENABLED", True)
-    if spec is not None:  # with the o shrink in attention too: o and down then expand in their products' epilogue
+    if spec is not None:  # with the o shrink in attention and every expand in its product's epilogue
         from engine_ext.kernels.triton_fused import TritonOps
 
         monkeypatch.setattr(TritonOps, "fold_o_shrink", True)
+        monkeypatch.setattr(TritonOps, "expand_in_product", True)
     model, adapters, expected = setup
     engine = _engine(model, adapters, spec, **FAST)
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)

@@ -102,3 +102,26 @@ def test_lora_expand_in_the_epilogue(dtype, m, n, k, rank, parts):
     base = slots == slots_n - 1
     _close(y[~base], ref[~base], dtype)
     assert torch.equal(tg.skinny_matmul(x, w, None, (part, b, scale, slots)), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,segments,n,k", [(32, (0, 2048, 2560), 3072, 2048), (32, (0, 8192), 16384, 2048),
+                                            (5, (0, 64, 96), 128, 4096)])
+def test_a_fused_groups_expand_in_the_epilogue(dtype, m, segments, n, k):
+    """q/k/v and gate/up: each column tile adds its own module's expand (partials and scale of that module)."""
+    from engine_ext.kernels import triton_gemm as tg
+    from engine_ext.kernels.triton_lora import lora_expand
+
+    g = torch.Generator(DEV).manual_seed(n + m)
+    rank, slots_n, nseg = 16, 9, len(segments)
+    x = torch.randn(m, k, device=DEV, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=DEV, generator=g) * k**-0.5).to(dtype)
+    part = torch.randn(8, m, nseg * rank, device=DEV, generator=g) * 0.3
+    b = (torch.randn(slots_n, rank, n, device=DEV, generator=g) * 0.1).to(dtype)
+    b[-1] = 0
+    scale = torch.rand(slots_n, nseg, device=DEV, generator=g) * 2
+    slots = torch.randint(0, slots_n, (m,), device=DEV, generator=g)
+    slots[0] = 0
+    ref = F.linear(x, w)
+    lora_expand(ref, part, b, scale, slots, slots_n - 1, segments)
+    _close(tg.skinny_matmul(x, w, None, (part, b, scale, slots, segments)), ref, dtype)
