@@ -35,24 +35,21 @@ def time_it(q, caches, meta):
 
 
 def settings():
-    """(splits, block_n, warps, stages, rows, prefetch): Triton's pipelining at 1-4 stages, 16- or 32-row
-    tiles, and the manual next-block prefetch; a few split-KV points."""
+    """(splits, block_n, warps, stages, rows): Triton's pipelining at 1-4 stages, 16- or 32-row tiles, and a
+    few split-KV points. (Run 8 also swept a manual next-block prefetch, since removed: it did not help.)"""
     for block_n, warps, stages, rows in itertools.product((64, 128), (4, 8), (0, 1, 2, 4), (0, 16)):
-        yield 1, block_n, warps, stages, rows, False
-    for block_n, warps, rows in itertools.product((32, 64, 128), (4, 8), (0, 16)):
-        yield 1, block_n, warps, 1, rows, True
+        yield 1, block_n, warps, stages, rows
     for splits, block_n in itertools.product((2, 4), (64, 128)):
-        yield splits, block_n, 4, 0, 16, False
+        yield splits, block_n, 4, 0, 16
 
 
 def main():
     cases = {"decode32": case(32, 1), "verify32x5": case(32, 5), "decode128": case(128, 1), "decode8": case(8, 1)}
     rows = []
-    for splits, block_n, warps, stages, tile_rows, prefetch in settings():
+    for splits, block_n, warps, stages, tile_rows in settings():
         ta.MAX_SPLITS, ta.BLOCK_N, ta.NUM_WARPS, ta.SPLIT_BUDGET = splits, block_n, warps, 1 << 20
-        ta.NUM_STAGES, ta.ROWS, ta.PREFETCH = stages, tile_rows, prefetch
-        row = {"splits": splits, "block_n": block_n, "warps": warps, "stages": stages, "rows": tile_rows,
-               "prefetch": prefetch}
+        ta.NUM_STAGES, ta.ROWS = stages, tile_rows
+        row = {"splits": splits, "block_n": block_n, "warps": warps, "stages": stages, "rows": tile_rows}
         try:
             for name, (q, caches, meta) in cases.items():
                 row[name + "_ms16"] = time_it(q, caches, meta)

@@ -35,12 +35,12 @@ from ..attention import AttnMetadata
 
 
 @triton.jit
-def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, stride_ks, head_off, live,
+def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, stride_ks, head_off,
              PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """K and V [BLOCK_N, HEAD_DIM] of key positions start.. (zeros beyond hi, or everywhere unless `live`)."""
+    """K and V [BLOCK_N, HEAD_DIM] of key positions start.. (zeros beyond hi)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    in_seq = (offs_n <= hi) & live
+    in_seq = offs_n <= hi
     page = tl.load(tables_ptr + seq * stride_bt + offs_n // PAGE, mask=in_seq, other=0).to(tl.int64)
     kv_off = page * stride_kb + (offs_n % PAGE) * stride_ks + head_off
     k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
@@ -75,7 +75,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
                        a_ptr, slots_ptr, lora_ptr, R, skip_slot, stride_as, stride_ak,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
-                       PREFETCH: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
+                       LORA: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,20 +109,12 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
         per_split = tl.cdiv(num_blocks, SPLITS)
         first = split * per_split
         last = tl.minimum(num_blocks, first + per_split)
-        if PREFETCH:  # the next block's K/V are issued before this block's math (loop-carried registers)
-            k_nxt, v_nxt = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, lo + first * BLOCK_N, hi, stride_kb,
-                                    stride_ks, kvh * stride_kh, first < last, PAGE, BLOCK_N, HEAD_DIM)
         for blk in range(first, last):
             start = lo + blk * BLOCK_N
             offs_n = start + tl.arange(0, BLOCK_N)
-            if PREFETCH:
-                k, v = k_nxt, v_nxt
-                k_nxt, v_nxt = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start + BLOCK_N, hi, stride_kb,
-                                        stride_ks, kvh * stride_kh, blk + 1 < last, PAGE, BLOCK_N, HEAD_DIM)
-            else:
-                # V is issued with K, so both loads are in flight while the scores are computed
-                k, v = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, stride_ks,
-                                kvh * stride_kh, True, PAGE, BLOCK_N, HEAD_DIM)
+            # V is issued with K, so both loads are in flight while the scores are computed
+            k, v = _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, stride_ks,
+                            kvh * stride_kh, PAGE, BLOCK_N, HEAD_DIM)
             if IEEE:  # float32 caches: full-precision products, not tf32
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
@@ -226,7 +218,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         *strides, *lora_args, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=bq, HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, PREFETCH=PREFETCH,
+        PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
         LORA=lora is not None, BLOCK_R=block_r, R_CHUNK=_rank_chunk(bq * group_pad * head_dim, block_r),
         num_warps=NUM_WARPS, **({"num_stages": stages} if stages else {}))
     if splits > 1:
@@ -248,8 +240,9 @@ paged_attention_triton.folds_lora_shrink = True  # takes `lora` (the model folds
 # 16 layers) and costs at batch 32 (0.27 against 0.21 ms), hence the small budget.
 # Launch settings, from the same sweep (bench/results/2026-11-29-h200-run8-attn-sweep.log): 128-key blocks
 # with two pipeline stages and 16-row tiles (4 decode tokens x 4 heads instead of 8 x 4, half of them
-# padding at decode) took batch 32 from 0.31 to 0.21 ms; the k=4 verify pass stays at 0.41-0.44 ms. The
-# manual next-block prefetch (PREFETCH) did not help. The environment overrides them for sweeps.
+# padding at decode) took batch 32 from 0.31 to 0.21 ms; the k=4 verify pass stays at 0.41-0.44 ms. A manual
+# prefetch of the next key block (loop-carried registers) did not help and was removed. The environment
+# overrides these for sweeps.
 MAX_SPLITS = int(os.environ.get("LORASERVE_ATTN_MAX_SPLITS", "8"))
 BLOCK_N = int(os.environ.get("LORASERVE_ATTN_BLOCK_N", "128"))
 NUM_WARPS = int(os.environ.get("LORASERVE_ATTN_WARPS", "4"))
@@ -258,7 +251,6 @@ SPLIT_BUDGET = int(os.environ.get("LORASERVE_ATTN_SPLIT_BUDGET", "256"))
 # to ROWS // group query tokens of one sequence shares each K/V page it reads; 0: at least 8 tokens.
 ROWS = int(os.environ.get("LORASERVE_ATTN_ROWS", "16"))
 NUM_STAGES = int(os.environ.get("LORASERVE_ATTN_STAGES", "2"))  # 0: Triton's default software pipelining
-PREFETCH = os.environ.get("LORASERVE_ATTN_PREFETCH", "0") == "1"  # issue block i+1's loads before block i's math
 _SMEM_BUDGET = 160 << 10  # bytes of K/V tiles in flight (H200: 227 KB of shared memory per block)
 # fp32 elements of the fused o_proj shrink's [rows, D, ranks] product per step (128 registers a thread at 4
 # warps): wider ranks or heads take the ranks in chunks rather than spill. Not yet measured on the GPU.

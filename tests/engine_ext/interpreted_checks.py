@@ -52,8 +52,8 @@ def attention():
 
     g = torch.Generator().manual_seed(0)
     heads, kvh, d, rank, nslots = 8, 2, 16, 8, 4
-    settings = [dict(MAX_SPLITS=1, ROWS=16, PREFETCH=False, BLOCK_N=32), dict(MAX_SPLITS=1, ROWS=0, PREFETCH=True,
-                BLOCK_N=16), dict(MAX_SPLITS=4, SPLIT_BUDGET=1 << 16, ROWS=16, PREFETCH=False, BLOCK_N=16)]
+    settings = [dict(MAX_SPLITS=1, ROWS=16, BLOCK_N=32), dict(MAX_SPLITS=1, ROWS=0, BLOCK_N=16),
+                dict(MAX_SPLITS=4, SPLIT_BUDGET=1 << 16, ROWS=16, BLOCK_N=16)]
     for lens, qlens in (([37, 5, 2], [1, 1, 1]), ([37, 20, 6], [1, 3, 5])):
         q, kc, vc, meta = _attn_case(lens, qlens, heads, kvh, d, 4, g)
         for window in (None, 5):
