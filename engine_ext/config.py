@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GRAPH_INPUTS = ("copy", "mapped")  # EngineConfig.graph_inputs
 
 
 @dataclass
@@ -79,7 +80,7 @@ class EngineConfig:
             raise ValueError("cuda_graphs needs a CUDA device and attn_backend='triton'")
         if self.max_graph_tokens < 1:
             raise ValueError("max_graph_tokens must be >= 1")
-        if self.graph_inputs not in ("copy", "mapped"):
-            raise ValueError(f"graph_inputs must be 'copy' or 'mapped', got {self.graph_inputs!r}")
+        if self.graph_inputs not in GRAPH_INPUTS:
+            raise ValueError(f"graph_inputs must be one of {GRAPH_INPUTS}, got {self.graph_inputs!r}")
         if isinstance(self.speculative, dict):
             self.speculative = SpecConfig(**self.speculative)

@@ -34,6 +34,7 @@ import torch
 
 from .attention import AttnMetadata
 from .batch import SeqWork
+from .config import GRAPH_INPUTS
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ _IDS, _POS, _KV_SLOT, _SEQ, _QIDX, _LORA, _LOGITS = range(7)
 # at SRC[i] (`run_async`'s token_src).
 _DST, _SRC = 7, 8
 _NUM_ROWS = 9
-GRAPH_INPUTS = ("copy", "mapped")  # how the per-step metadata reaches the graphs' input buffers (see above)
 _MAX_IN_FLIGHT = 20  # pinned buffer sets; a speculative cycle queues at most 16 drafting passes + 1 verify
 
 
@@ -109,7 +109,11 @@ class DecodeGraphs:
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         if inputs not in GRAPH_INPUTS:
             raise ValueError(f"graph inputs must be one of {GRAPH_INPUTS}, got {inputs!r}")
-        self._upload = _mapped_copy if inputs == "mapped" else _dma_copy
+        self._upload = _dma_copy
+        if inputs == "mapped":
+            from .kernels.host_copy import copy_from_pinned
+
+            self._upload = copy_from_pinned
         self.buckets = graph_buckets(max_tokens)
         tmax, width = self.buckets[-1], max_blocks_per_seq
         self.width = width
@@ -235,12 +239,6 @@ class _HostBuffers:
 
 def _dma_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
-
-
-def _mapped_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    from .kernels.host_copy import copy_from_pinned
-
-    copy_from_pinned(dst, src)
 
 
 def _pack_token_src(token_src: list[int] | None, rows: np.ndarray) -> int:

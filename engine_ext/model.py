@@ -213,7 +213,7 @@ class TorchOps:
 
     @staticmethod
     def linear(x, weight, bias=None, lora=None):
-        """F.linear. (Ops that fuse LoRA also take `lora`, a one-module group's expand: see TritonOps.)"""
+        """F.linear. (Ops that fuse LoRA also take `lora`, a group's expand for the product: see TritonOps.)"""
         if lora is not None:
             raise ValueError("TorchOps.linear applies no LoRA: the model adds it with the LoRA op")
         return F.linear(x, weight, bias)

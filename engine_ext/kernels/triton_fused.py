@@ -327,7 +327,7 @@ class TritonOps:
 
     fuses_lora = True
     max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
-    # F.linear (+ `lora`: a one-module group's expand, by lora_expand) unless LORASERVE_SKINNY_GEMM=1, which runs
+    # F.linear (+ `lora`: a group's expand, by lora_expand) unless LORASERVE_SKINNY_GEMM=1, which runs
     # decode-sized products and the expand in one Triton kernel (kernels/triton_gemm.py).
     linear = staticmethod(skinny_linear)
     # Fold the o_proj LoRA shrink into the attention kernel at decode (kernels/triton_attention.py): one launch

@@ -67,7 +67,7 @@ def test_graphs_with_mapped_inputs_reproduce_the_eager_engine(setup, spec):
     engine = _engine(model, adapters, spec, graph_inputs="mapped", **FAST)
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
     assert [o.token_ids for o in outs] == expected
-    assert engine.runner.graphs._upload.__name__ == "_mapped_copy"
+    assert engine.runner.graphs._upload.__name__ == "copy_from_pinned"
 
 
 @pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
