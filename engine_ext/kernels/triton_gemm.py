@@ -12,9 +12,10 @@ the partials in split order, writes y and resets the counter (so a CUDA graph re
 The counters are one buffer per device: products on two streams at once must not share it (the engine runs
 its forwards on one stream).
 
-With `lora`, the epilogue also adds the LoRA expand of a one-module group (o_proj, down_proj) from the
-shrink partials a fused kernel left (the attention kernel for o, the SiLU kernel for down): each output
-tile reads its rows' B tiles, which removes the two expand launches of a decode layer.
+With `lora`, the epilogue also adds a LoRA group's expand from the shrink partials a fused kernel left (the
+attention kernel for o, the SiLU kernel for down, the norm kernels for q/k/v and gate/up): each output tile
+reads its rows' B tiles for the module that owns its columns, which removes the expand launches (o, down)
+and the expand work of the rotary and SiLU kernels (q/k/v, gate/up) from a decode layer.
 
 Off unless LORASERVE_SKINNY_GEMM=1 (not yet measured against the library on a GPU; bench/gemm_sweep.py
 does that). Used for forwards of at most MAX_ROWS tokens; larger ones call F.linear.
@@ -220,7 +221,7 @@ def skinny_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         segments = tuple(lora[4]) if len(lora) > 4 else (0,)
         rank = b.shape[1]
         if (part.shape[1:] != (m, len(segments) * rank) or b.shape[2] != n or slots.shape != (m,)
-                or b.stride(2) != 1 or len(segments) > 3):
+                or b.stride(2) != 1 or part.stride(2) != 1 or len(segments) > 3):
             raise ValueError(f"skinny_matmul: LoRA partials {tuple(part.shape)}, B {tuple(b.shape)} and slots "
                              f"{tuple(slots.shape)} do not fit a [{m}, {n}] product")
         starts = list(segments[1:]) + [n] * (3 - len(segments))
