@@ -60,7 +60,6 @@ def main():
                 print(json.dumps(row), flush=True)
                 if "ms" in row and (best[key]["ms"] is None or row["ms"] < best[key]["ms"]):
                     best[key] |= {k2: row[k2] for k2 in ("block_n", "block_k", "stages", "target", "plan", "ms")}
-        del ws
     for k2, v in saved.items():
         setattr(tg, k2, v)
     for key, row in best.items():
