@@ -276,6 +276,7 @@ def kv_tile(head_dim: int, element_size: int) -> tuple[int, int]:
     """(BLOCK_N, stages): the K and V tiles of every pipeline stage fit the shared-memory budget (wide heads
     and float32 caches take smaller key blocks)."""
     block_n, stages = BLOCK_N, NUM_STAGES
-    while block_n > 16 and 2 * max(stages, 1) * block_n * head_dim * element_size > _SMEM_BUDGET:
+    buffers = stages or 3  # 0: Triton's default, 3 stages on NVIDIA
+    while block_n > 16 and 2 * buffers * block_n * head_dim * element_size > _SMEM_BUDGET:
         block_n //= 2
     return block_n, stages
