@@ -286,11 +286,11 @@ class AdapterSlots:
 
     # ------------------------------------------------------------ the copy
     def _copy_in(self, slot: int, adapter: PackedAdapter) -> None:
-        row, scales = self.slab[slot], self.scale_slab[slot]
-        direct = adapter.layout == self.layout  # same rank and groups: the packed buffer is the row
         if self.copy_stream is None:
+            row = self.slab[slot]
+            direct = adapter.layout == self.layout  # same rank and groups: the packed buffer is the row
             row.copy_(adapter.data) if direct else self._unpack(row, adapter.data, adapter.layout)
-            scales.copy_(adapter.scales)
+            self.scale_slab[slot].copy_(adapter.scales)
             return
         # Forwards already queued may still read the victim's row: the copy starts after them. Issued by `flush`.
         after = torch.cuda.Event()
@@ -299,7 +299,7 @@ class AdapterSlots:
 
     def _issue(self, slot: int, load: _Load) -> None:
         adapter, row, scales = load.adapter, self.slab[slot], self.scale_slab[slot]
-        direct = adapter.layout == self.layout
+        direct = adapter.layout == self.layout  # same rank and groups: the packed buffer is the row
         self.copy_stream.wait_event(load.after)
         with torch.cuda.stream(self.copy_stream):
             dst = row if direct else torch.empty(adapter.data.shape, dtype=row.dtype, device=self.device)
