@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # One GPU session's measurements in one call (the device allows 10 minutes a command): the GPU test suite,
 # then issue 7's points, each step with its own time limit so a slow one cannot starve the rest. Writes
-# logs and JSON under $OUT (default ./gpu-out), then prints a summary.
+# logs and JSON under $WORK_DIR (default /tmp/gpu-run), packs them into $OUT/gpu-run.tgz (default ./gpu-out)
+# after every step, then prints a summary.
 #
 #   bash bench/gpu_run.sh            # tests + forward/load (copy and mapped graph inputs) + gate
 #   STEPS="tests forward" bash bench/gpu_run.sh
 set -u -o pipefail  # a step's rc is its python's (or timeout's), not the log filter's
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
+# The device returns at most 8 files from $OUT, so the logs go to a work folder that is packed into
+# $OUT/gpu-run.tgz after every step (a command killed at its time limit still returns what it had).
+RESULT=$OUT
+OUT=${WORK_DIR:-/tmp/gpu-run}
+mkdir -p "$OUT"
+pack() { tar -czf "$RESULT/gpu-run.tgz" -C "$OUT" . ; }
+# pytest-xdist, where installed, runs the GPU suite in 4 workers (most of its time is Triton compiling)
+XDIST=""
+python3 -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadfile"
 export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward mapped gate}
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
 for step in $STEPS; do
+  start=$SECONDS
   case $step in
     tests)  # point 5
-      timeout 240 python3 -m pytest -m gpu tests/engine_ext/gpu -q -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+      timeout 240 python3 -m pytest -m gpu tests/engine_ext/gpu -q -p no:cacheprovider $XDIST >"$OUT/gpu_tests.log" 2>&1
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
     forward)  # points 1, 2 and 4 (copy-engine graph inputs)
       timeout 200 python3 bench/decode.py --ranks 16 --batches 1 32 --adapters 0 32 --sections forward load \
@@ -59,6 +70,8 @@ for step in $STEPS; do
       timeout 150 python3 bench/attn_sweep.py >"$OUT/attn.log" 2>&1; echo "attn rc $?" ;;
     *) echo "unknown step $step" ;;
   esac
+  echo "  ($step: $((SECONDS - start)) s)"
+  pack
 done
 
 python3 - "$OUT" <<'EOF'
@@ -84,3 +97,4 @@ for name in ("forward.json", "forward_skinny.json", "forward_product.json", "for
         print(name, "ERROR", e)
 EOF
 for f in "$OUT"/*.log; do grep -h "BEST" "$f" 2>/dev/null; done
+pack
