@@ -221,13 +221,11 @@ def activate(engine, names: list[str]) -> None:
     engine.adapters.slots.synchronize()  # copies run on a side stream: landed before any forward reads them
 
 
-def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int,
-                 compile_graphs: bool = False, graph_inputs: str = "copy"):
+def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int):
     cfg = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_loras=max_loras, max_lora_rank=max_rank,
                        max_cpu_loras=max(64, len(adapters) + 1), kv_cache_memory_gb=24, max_num_seqs=128,
                        max_num_batched_tokens=8192, max_model_len=2048, lora_backend="triton", attn_backend="triton",
-                       cuda_graphs=True, max_graph_tokens=max_graph_tokens, compile_graphs=compile_graphs,
-                       graph_inputs=graph_inputs,
+                       cuda_graphs=True, max_graph_tokens=max_graph_tokens,
                        speculative=SpecConfig(num_draft_tokens=MAX_K))  # sizes block tables for k <= MAX_K
     engine = LLMEngine(cfg)
     for n, p in adapters.items():
@@ -312,9 +310,6 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also run HF transformers + PEFT as the peer")
     ap.add_argument("--peaked", action="store_true",
                     help="a base model with a peaked next-token distribution (see build_model_on_gpu)")
-    ap.add_argument("--graph-inputs", choices=("copy", "mapped"), default="copy",
-                    help="how step metadata reaches the graphs (EngineConfig.graph_inputs)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the captured forwards (experimental)")
     ap.add_argument("--sections", nargs="+", default=["forward", "engine", "load"],
                     choices=["forward", "engine", "load"])
     ap.add_argument("--workdir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
@@ -347,8 +342,7 @@ def main() -> None:
                     adapters |= {f"v{i}": vfar for i in range(32)}
             t0 = time.perf_counter()
             engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32), max_rank=rank,
-                                  max_graph_tokens=max(args.batches) * (MAX_K + 1), compile_graphs=args.compile,
-                                  graph_inputs=args.graph_inputs)
+                                  max_graph_tokens=max(args.batches) * (MAX_K + 1))
             print(f"[{shape} r{rank}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 run_shape_rank(engine, shape, rank, max_distinct, args, results, dump)
@@ -370,7 +364,7 @@ def main() -> None:
 
 
 def run_shape_rank(engine, shape, rank, max_distinct, args, results, dump) -> None:
-    tag = dict(shape=shape, rank=rank, compiled=args.compile, graph_inputs=args.graph_inputs)
+    tag = dict(shape=shape, rank=rank)
     if "load" in args.sections:
         results.setdefault("load", []).append(dict(tag, **cold_load(engine, args.workdir, shape, rank)))
         print(json.dumps(results["load"][-1]), flush=True)

@@ -4,7 +4,7 @@
 # logs and JSON under $WORK_DIR (default /tmp/gpu-run), packs them into $OUT/gpu-run.tgz (default ./gpu-out)
 # after every step, then prints a summary.
 #
-#   bash bench/gpu_run.sh            # tests + forward/load (copy and mapped graph inputs) + gate
+#   bash bench/gpu_run.sh            # tests + forward/load + gate
 #   STEPS="tests forward" bash bench/gpu_run.sh
 set -u -o pipefail  # a step's rc is its python's (or timeout's), not the log filter's
 OUT=${OUT:-./gpu-out}
@@ -20,7 +20,7 @@ XDIST=""
 python3 -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadfile"
 export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
-STEPS=${STEPS-tests forward mapped gate}
+STEPS=${STEPS-tests forward gate}
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
 for step in $STEPS; do
@@ -33,37 +33,24 @@ for step in $STEPS; do
       timeout 200 python3 bench/decode.py --ranks 16 --batches 1 32 --adapters 0 32 --sections forward load \
         --out "$OUT/forward.json" 2>&1 | quiet >"$OUT/forward.log"
       echo "forward rc $?" ;;
-    mapped)  # point 4 with graph_inputs="mapped"
-      timeout 120 python3 bench/decode.py --ranks 16 64 --batches 32 --adapters 32 --sections load \
-        --graph-inputs mapped --out "$OUT/load_mapped.json" 2>&1 | quiet >"$OUT/load_mapped.log"
-      echo "mapped rc $?" ;;
+    noside)  # plain with the o and down LoRA deltas on the main stream (A/B against forward's side stream)
+      LORASERVE_SIDE_STREAM=0 timeout 120 python3 bench/decode.py --ranks 16 --batches 32 --adapters 0 32 \
+        --sections forward --out "$OUT/forward_noside.json" 2>&1 | quiet >"$OUT/forward_noside.log"
+      echo "noside rc $?" ;;
     gate)  # point 3 (rank 64; add 16 for the rank-16 table)
       timeout 150 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
         --vfar-scale 100 --gen 64 --sections engine --out "$OUT/gate.json" 2>&1 | quiet >"$OUT/gate.log"
       echo "gate rc $?" ;;
-    gemm)  # the skinny decode GEMM against F.linear (LORASERVE_SKINNY_GEMM)
-      timeout 150 python3 bench/gemm_sweep.py >"$OUT/gemm.log" 2>&1; echo "gemm rc $?" ;;
-    skinny)  # points 1 and 2 with the candidates that are off by default: the skinny GEMM, the o shrink in attention
-      LORASERVE_SKINNY_GEMM=1 LORASERVE_FOLD_O_SHRINK=1 timeout 150 python3 bench/decode.py --ranks 16 --batches 32 \
-        --adapters 0 32 --sections forward --out "$OUT/forward_skinny.json" 2>&1 | quiet >"$OUT/forward_skinny.log"
-      echo "skinny rc $?" ;;
-    product)  # ... and every LoRA expand in its product's epilogue (the rotary and SiLU kernels then carry none)
-      LORASERVE_SKINNY_GEMM=1 LORASERVE_FOLD_O_SHRINK=1 LORASERVE_EXPAND_IN_PRODUCT=1 timeout 150 python3 \
-        bench/decode.py --ranks 16 --batches 32 --adapters 32 --sections forward --out "$OUT/forward_product.json" \
-        2>&1 | quiet >"$OUT/forward_product.log"
-      echo "product rc $?" ;;
-    fold)  # the o shrink in attention alone
-      LORASERVE_FOLD_O_SHRINK=1 timeout 120 python3 bench/decode.py --ranks 16 --batches 32 --adapters 32 \
-        --sections forward --out "$OUT/forward_fold.json" 2>&1 | quiet >"$OUT/forward_fold.log"
-      echo "fold rc $?" ;;
-    bigchunk)  # point 4: mapped inputs and the adapter copy in one piece (no chunking)
-      LORASERVE_COPY_CHUNK_MB=1024 timeout 120 python3 bench/decode.py --ranks 16 64 --batches 32 --adapters 32 \
-        --sections load --graph-inputs mapped --out "$OUT/load_mapped_onecopy.json" 2>&1 | quiet >"$OUT/load_onecopy.log"
-      echo "bigchunk rc $?" ;;
+    gate16)  # point 3 at rank 16, and point 2's HF PEFT peer on the same mix, in one run
+      timeout 200 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
+        --gen 64 --hf --sections engine --out "$OUT/gate16_hf.json" 2>&1 | quiet >"$OUT/gate16_hf.log"
+      echo "gate16 rc $?" ;;
     8b)  # the 8B shape, base and plain
       timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
         --sections forward --out "$OUT/forward_8b.json" 2>&1 | quiet >"$OUT/forward_8b.log"
       echo "8b rc $?" ;;
+    profile)  # where a decode forward's GPU time goes, kernel by kernel (base and 32 rank-16 adapters)
+      timeout 120 python3 bench/profile_step.py >"$OUT/profile.log" 2>&1; echo "profile rc $?" ;;
     fused)
       timeout 100 python3 bench/fused_sweep.py >"$OUT/fused.log" 2>&1; echo "fused rc $?" ;;
     attn)
@@ -77,9 +64,7 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "forward_skinny.json", "forward_product.json", "forward_fold.json",
-             "forward_8b.json", "load_mapped.json",
-             "load_mapped_onecopy.json", "gate.json"):
+for name in ("forward.json", "forward_noside.json", "forward_8b.json", "gate.json", "gate16_hf.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue
@@ -88,11 +73,13 @@ for name in ("forward.json", "forward_skinny.json", "forward_product.json", "for
         print(name, r["mode"], "b", r["batch"], "a", r["adapters"], "gpu_ms %.3f" % r["gpu_ms"],
               "bytes_ms %.3f" % r["bytes_model_ms"], "bw %.1f%%" % (100 * r["bw_fraction"]))
     for r in d.get("load", []):
-        print(name, "load r%d" % r["rank"], r.get("graph_inputs"), "load/h2d %.2f" % r["load_over_h2d"],
+        print(name, "load r%d" % r["rank"], "load/h2d %.2f" % r["load_over_h2d"],
               "itl rise p50 %+.1f%% max %+.1f%%" % (100 * r["itl_rise_p50"], 100 * r["itl_rise_max"]))
     for r in d.get("engine", []):
         print(name, "r%d" % r["rank"], r["mode"], "%.0f tok/s" % r["tokens_per_s"], "acc", r.get("acceptance"),
               r.get("gate_decisions") or "")
+    for r in d.get("hf", []):
+        print(name, r["mode"], "b", r["batch"], "%.1f tok/s" % r["tokens_per_s"])
     for e in d.get("errors", []):
         print(name, "ERROR", e)
 EOF

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-GRAPH_INPUTS = ("copy", "mapped")  # EngineConfig.graph_inputs
 
 
 @dataclass
@@ -54,12 +53,6 @@ class EngineConfig:
     # needs a CUDA device and attn_backend "triton". Keep max_model_len modest: block tables are static.
     cuda_graphs: bool = False
     max_graph_tokens: int = 512
-    # How each step's metadata reaches the graphs: "copy" (the copy engine, from pinned buffers) or "mapped" (a
-    # kernel reads the pinned buffers directly, so steps never wait behind an adapter load on the copy engine).
-    graph_inputs: str = "copy"
-    # Experimental, off: torch.compile of the captured forwards. Measured 15x SLOWER on the H200 (write_kv's
-    # in-place index_copy_ into the cache is functionalized into a whole-cache copy); see bench/RESULTS.md.
-    compile_graphs: bool = False
     speculative: SpecConfig | None = None
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
@@ -80,7 +73,5 @@ class EngineConfig:
             raise ValueError("cuda_graphs needs a CUDA device and attn_backend='triton'")
         if self.max_graph_tokens < 1:
             raise ValueError("max_graph_tokens must be >= 1")
-        if self.graph_inputs not in GRAPH_INPUTS:
-            raise ValueError(f"graph_inputs must be one of {GRAPH_INPUTS}, got {self.graph_inputs!r}")
         if isinstance(self.speculative, dict):
             self.speculative = SpecConfig(**self.speculative)

@@ -9,22 +9,15 @@ the slot stacks themselves (static tensors the slot table copies into), so a new
 newly loaded adapter needs no re-capture. The attention and LoRA kernels read per-token lengths
 and slots on the device, which is what makes one graph valid for every mix.
 
-All per-step metadata is packed on the host into one pinned buffer and sent with two copies: by the copy
-engine (`inputs="copy"`), or (`inputs="mapped"`) by a kernel on the compute stream that reads the pinned
-buffer directly (kernels/host_copy.py), so the step never queues behind an adapter load on the copy engine.
+All per-step metadata is packed on the host into one pinned buffer and sent with two copies.
 `run_async` queues forwards back to back with no host sync (speculative drafting): some input ids
 then come from a device tensor an earlier forward filled, and each forward in flight packs into its
 own set of pinned buffers (a small ring that grows to the number in flight).
-
-`compile_model=True` (experimental, off) runs the captured forwards through `torch.compile` with the
-Triton kernels as opaque custom ops, meant to fuse the model's element-wise work into fewer kernels;
-one compilation with a symbolic token count serves every bucket but the 1-token one (eager).
-Measured on the H200 it is 15x slower: write_kv's in-place index_copy_ into a view of the cache is
-functionalized into a whole-cache copy. Making write_kv an opaque op too is the next step.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -34,7 +27,6 @@ import torch
 
 from .attention import AttnMetadata
 from .batch import SeqWork
-from .config import GRAPH_INPUTS
 
 logger = logging.getLogger(__name__)
 
@@ -98,22 +90,10 @@ class DecodeGraphs:
     """Captured forwards of `model` at bucketed token counts, replayed for decode-shaped batches."""
 
     def __init__(self, model, kv_caches, lora_op, attn_op, block_size: int, max_blocks_per_seq: int,
-                 scratch_block: int, max_tokens: int, device: torch.device, compile_model: bool = False,
-                 group_lora_op=None, inputs: str = "copy"):
+                 scratch_block: int, max_tokens: int, device: torch.device, group_lora_op=None):
         self.model, self.kv_caches, self.lora_op, self.attn_op = model, kv_caches, lora_op, attn_op
-        self.group_lora_op = None if compile_model else group_lora_op  # compile: per-module opaque ops
-        self.compiled = None
-        if compile_model:
-            self.lora_op, self.attn_op = _opaque_ops(lora_op, attn_op)
-            self.compiled = torch.compile(model, dynamic=True)
+        self.group_lora_op = group_lora_op
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
-        if inputs not in GRAPH_INPUTS:
-            raise ValueError(f"graph inputs must be one of {GRAPH_INPUTS}, got {inputs!r}")
-        self._upload = _dma_copy
-        if inputs == "mapped":
-            from .kernels.host_copy import copy_from_pinned
-
-            self._upload = copy_from_pinned
         self.buckets = graph_buckets(max_tokens)
         tmax, width = self.buckets[-1], max_blocks_per_seq
         self.width = width
@@ -134,8 +114,7 @@ class DecodeGraphs:
                             token_qidx=r[_QIDX, :bucket], max_query_len=bucket, kernel=self.attn_op)
         s = self._slots
         lora = LoRABatch.from_slots(self.lora_op, r[_LORA, :bucket], s, self.group_lora_op) if use_lora else None
-        model = self.compiled if self.compiled is not None and bucket > 1 else self.model
-        return model(r[_IDS, :bucket], meta, self.kv_caches, r[_LOGITS, :bucket], lora)
+        return self.model(r[_IDS, :bucket], meta, self.kv_caches, r[_LOGITS, :bucket], lora)
 
     @torch.inference_mode()
     def capture(self, slots) -> float:
@@ -149,19 +128,29 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compile the kernels (and the model) outside any capture
+        with torch.cuda.stream(side):  # compile the kernels outside any capture
             for use_lora in (False, True):
                 # Every bucket once: a kernel specialised on a size (split counts, tiles) compiles here, never
                 # inside a capture, where loading a module is not permitted.
                 for bucket in self.buckets:
                     self._forward(bucket, use_lora)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
-            for use_lora in (False, True):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(bucket, use_lora)
-                self.graphs[(bucket, use_lora)] = (graph, out)
+        # No garbage collection inside a capture: a finalizer that touches CUDA there (an earlier engine's
+        # pinned buffers or events, freed by a collection the forward's allocations happen to trigger)
+        # invalidates the capture ("operation failed due to a previous error during capture").
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
+                for use_lora in (False, True):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._forward(bucket, use_lora)
+                    self.graphs[(bucket, use_lora)] = (graph, out)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (buckets %s) in %.1f s", len(self.graphs), self.buckets,
@@ -197,8 +186,8 @@ class DecodeGraphs:
         _, num_logits = pack_decode_batch(work, self.block_size, slots.zero_slot, self.scratch_block, bucket,
                                           host.np_rows, host.np_tables)
         moved = _pack_token_src(token_src, host.np_rows)
-        self._upload(self.rows, host.rows)
-        self._upload(self.tables[: len(work) + 1], host.tables[: len(work) + 1])
+        self.rows.copy_(host.rows, non_blocking=True)
+        self.tables[: len(work) + 1].copy_(host.tables[: len(work) + 1], non_blocking=True)
         host.copied.record()
         if moved:
             r = self.rows
@@ -237,10 +226,6 @@ class _HostBuffers:
         self.np_rows, self.np_tables = self.rows.numpy(), self.tables.numpy()
 
 
-def _dma_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src, non_blocking=True)
-
-
 def _pack_token_src(token_src: list[int] | None, rows: np.ndarray) -> int:
     """rows[_DST, :n] = tokens whose id comes from the device, rows[_SRC, :n] = where from; returns n."""
     if token_src is None:
@@ -251,12 +236,3 @@ def _pack_token_src(token_src: list[int] | None, rows: np.ndarray) -> int:
     rows[_SRC, : len(dst)] = src[dst]
     return len(dst)
 
-
-def _opaque_ops(lora_op, attn_op):
-    """The Triton kernels' custom-op twins, which torch.compile does not trace into."""
-    from .kernels.torch_ops import add_lora_compiled, paged_attention_compiled
-    from .kernels.triton_attention import paged_attention_triton
-    from .kernels.triton_lora import add_lora_triton
-
-    return (add_lora_compiled if lora_op is add_lora_triton else lora_op,
-            paged_attention_compiled if attn_op is paged_attention_triton else attn_op)

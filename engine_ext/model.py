@@ -58,16 +58,15 @@ class LoRABatch:
         _, b, scale, _ = self.groups[group]
         return part, b[layer], scale[layer], self.slots
 
-    def silu_args(self, layer: int, part: torch.Tensor, expand: bool = True) -> tuple:
-        """gate/up expand (unless the gate_up product's epilogue added it) and the down shrink."""
-        if not expand:
-            return None, None, None, self.groups["down"][0][layer], self.slots
+    def silu_args(self, layer: int, part: torch.Tensor) -> tuple:
+        """gate/up expand and the down shrink."""
         _, b, scale, _ = self.groups["gate_up"]
         return part, b[layer], scale[layer], self.groups["down"][0][layer], self.slots
 
-    def product_args(self, layer: int, group: str, part: torch.Tensor) -> tuple:
-        """A group's expand for a product's epilogue (ops.linear's `lora`): expand_args plus module starts."""
-        return self.expand_args(layer, group, part) + (self.groups[group][3],)
+    def group_args(self, layer: int, group: str) -> tuple:
+        """(A, B, scale, slots) of a one-module group (o, down) for a whole delta."""
+        a, b, scale, _ = self.groups[group]
+        return a[layer], b[layer], scale[layer], self.slots
 
     def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """The deltas of every module of `group` on the fused output y (columns in module order)."""
@@ -164,44 +163,48 @@ class CausalLM(nn.Module):
         cos, sin = cos_sin(self.inv_freq, meta.positions, x.dtype)
         scale = spec.head_dim**-0.5
         delta = None  # the previous sub-block's output, not yet added to the residual stream x
+        extra = None  # ... and its LoRA delta (float32), when the fused path computed it beside the product
         # With fused kernels (ops.fuses_lora) and the slots' group stacks, the q/k/v and gate/up shrinks ride
-        # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel,
-        # and the down expand in the down product (ops.linear's `lora`: its epilogue, or a separate expand).
+        # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU
+        # kernel; the o delta and the down expand run on a side stream beside the o and down products, and
+        # the next norm kernel adds them (its `extra`).
         fuse = (lora is not None and lora.groups is not None and getattr(ops, "fuses_lora", False)
                 and input_ids.shape[0] <= ops.max_fused_lora_tokens)
-        fold_o = (fuse and getattr(ops, "fold_o_shrink", False)
-                  and getattr(meta.kernel, "folds_lora_shrink", False))  # see kernels/triton_attention.py
-        in_product = fuse and getattr(ops, "expand_in_product", False)  # q/k/v and gate/up expands too
+        branch = ops.side_branch(x.device) if fuse else None
         for i, layer in enumerate(self.layers):
             shrink = lora.shrink_args(i, "qkv") if fuse else None
-            x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink)
-            qkv = ops.linear(h, layer.qkv, layer.qkv_bias, lora.product_args(i, "qkv", part) if in_product else None)
+            x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink, extra)
+            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
             if lora is not None and not fuse:
                 lora.add_group(i, "qkv", qkv, h)
             k_cache, v_cache = kv_caches[i]
-            rope_lora = lora.expand_args(i, "qkv", part) if fuse and not in_product else None
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
-                                  spec.num_kv_heads, rope_lora)
-            if fold_o:  # the o shrink rides in the attention kernel's epilogue, its expand in the o product's
-                attn, part = meta.kernel(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i],
-                                         lora=lora.shrink_args(i, "o"))
-                o = ops.linear(attn.reshape(-1, qs), layer.o, None, lora.expand_args(i, "o", part))
-            else:
-                attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
-                o = ops.linear(attn, layer.o)
-                if lora is not None:
-                    lora.add_group(i, "o", o, attn)
+                                  spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None)
+            attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
+            if fuse:
+                with branch:
+                    extra = ops.lora_delta(attn, *lora.group_args(i, "o"))
+            o = ops.linear(attn, layer.o)
+            if fuse:
+                branch.join()
+            elif lora is not None:
+                lora.add_group(i, "o", o, attn)
             shrink = lora.shrink_args(i, "gate_up") if fuse else None
-            x, h, part = ops.add_rms_norm(x, o, layer.post_norm, eps, shrink)
-            gate_up = ops.linear(h, layer.gate_up, None, lora.product_args(i, "gate_up", part) if in_product else None)
+            x, h, part = ops.add_rms_norm(x, o, layer.post_norm, eps, shrink, extra)
+            gate_up = ops.linear(h, layer.gate_up)
             if lora is not None and not fuse:
                 lora.add_group(i, "gate_up", gate_up, h)
-            act, part = ops.silu_mul(gate_up, lora.silu_args(i, part, expand=not in_product) if fuse else None)
-            delta = ops.linear(act, layer.down, None, lora.expand_args(i, "down", part) if fuse else None)
-            if lora is not None and not fuse:
+            act, part = ops.silu_mul(gate_up, lora.silu_args(i, part) if fuse else None)
+            if fuse:
+                with branch:
+                    extra = ops.expand_delta(*lora.expand_args(i, "down", part))
+            delta = ops.linear(act, layer.down)
+            if fuse:
+                branch.join()
+            elif lora is not None:
                 lora.add_group(i, "down", delta, act)
-        x = x[logits_indices] + delta[logits_indices]
-        x = rms_norm(x, self.norm, eps)
+        rows = logits_indices
+        _, x, _ = ops.add_rms_norm(x[rows], delta[rows], self.norm, eps, None, None if extra is None else extra[rows])
         return ops.linear(x, self.lm_head).float()
 
 
@@ -211,15 +214,12 @@ class TorchOps:
 
     fuses_lora = False
 
-    @staticmethod
-    def linear(x, weight, bias=None, lora=None):
-        """F.linear. (Ops that fuse LoRA also take `lora`, a group's expand for the product: see TritonOps.)"""
-        if lora is not None:
-            raise ValueError("TorchOps.linear applies no LoRA: the model adds it with the LoRA op")
-        return F.linear(x, weight, bias)
+    linear = staticmethod(F.linear)
 
     @staticmethod
-    def add_rms_norm(x, delta, weight, eps, lora=None):
+    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None):
+        if extra is not None:  # float32, beside delta (see kernels/triton_fused.add_rms_norm)
+            delta = (delta.float() + extra).to(delta.dtype)
         if delta is not None:
             x = x + delta
         return x, rms_norm(x, weight, eps), None

@@ -112,5 +112,4 @@ class ModelRunner:
         width = -(-(max_len + lookahead + 1) // cfg.block_size)
         return DecodeGraphs(self.model, self.kv_caches, self.lora_op, self.attn_kernel, cfg.block_size, width,
                             scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device,
-                            compile_model=cfg.compile_graphs, group_lora_op=self.group_lora_op,
-                            inputs=cfg.graph_inputs)
+                            group_lora_op=self.group_lora_op)

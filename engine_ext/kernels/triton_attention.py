@@ -10,17 +10,6 @@ tile, so every K/V page is read once per run and head group (the k+1 verify toke
 a per-row causal mask and an online softmax. Positions and block-table rows are read on the
 device, so the kernel needs no host-side lengths: a CUDA graph captured once replays for any mix
 of context lengths; programs of non-leaders return at once.
-
-With `lora=(A_o, slots)` the kernel also does the o_proj LoRA shrink in its epilogue, so only the
-expand (triton_lora.lora_expand) is left to launch:
-
-    part[h, t, :] = out[t, h].to(out.dtype).float() @ A_o[slot(t), h*D:(h+1)*D, :].float()   -> [H, T, R] fp32
-
-(head h's slice of o_proj's input features), so part.sum(0)[t] = out[t].flatten() @ A_o[slot(t)], the
-split shrink's partials with the heads as splits. Every tile row (token, head) multiplies its own
-[D, R] slice of its own slot's A (one 3-D load per chunk of ranks, sized to bound registers); with
-split-KV the row is finished in _combine_kernel, which does the same per (token, head). Rows of
-tokens on the skip slot (S - 1) read no A and are left unwritten. R <= 64 is the intended range.
 """
 
 from __future__ import annotations
@@ -49,33 +38,10 @@ def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, str
 
 
 @triton.jit
-def _shrink_rows(o, tok, head, valid, a_ptr, slots_ptr, part_ptr, T, R, skip_slot, stride_as, stride_ak,
-                 HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
-    """part[head[i], tok[i], :R] = o[i] @ A[slot(tok[i]), head[i]*D:(head[i]+1)*D, :R] for the valid rows i
-    off the skip slot; o is fp32 [rows, HEAD_DIM]. Each row has its own A slice (rows are different heads,
-    and may be different slots), so this is a batched mat-vec, not a tile dot; R_CHUNK ranks at a time
-    bound the [rows, HEAD_DIM, R_CHUNK] product's registers."""
-    slot = tl.load(slots_ptr + tok, mask=valid, other=skip_slot).to(tl.int64)
-    live = valid & (slot != skip_slot)
-    offs_d = tl.arange(0, HEAD_DIM)
-    a_rows = (a_ptr + slot[:, None, None] * stride_as
-              + (head[:, None, None] * HEAD_DIM + offs_d[None, :, None]).to(tl.int64) * stride_ak)
-    p_rows = part_ptr + (head.to(tl.int64) * T + tok)[:, None] * R
-    for r0 in tl.static_range(0, BLOCK_R, R_CHUNK):
-        offs_r = r0 + tl.arange(0, R_CHUNK)
-        mr = offs_r < R
-        a = tl.load(a_rows + offs_r[None, None, :], mask=live[:, None, None] & mr[None, None, :], other=0.0)
-        p = tl.sum(o[:, :, None] * a.to(tl.float32), axis=1)  # [rows, R_CHUNK]
-        tl.store(p_rows + offs_r[None, :], p, mask=live[:, None] & mr[None, :])
-
-
-@triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, positions_ptr, T, scale,
                        window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-                       a_ptr, slots_ptr, lora_ptr, R, skip_slot, stride_as, stride_ak,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
-                       LORA: tl.constexpr, BLOCK_R: tl.constexpr, R_CHUNK: tl.constexpr):
+                       PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -134,12 +100,9 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if SPLITS == 1:
-            out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+            out = acc / l_i[:, None]
             tl.store(out_ptr + tok[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                     out, mask=valid_row[:, None])
-            if LORA:  # the o_proj shrink reads the output as stored, as a separate shrink would
-                _shrink_rows(out.to(tl.float32), tok, head, valid_row, a_ptr, slots_ptr, lora_ptr, T, R, skip_slot,
-                             stride_as, stride_ak, HEAD_DIM, BLOCK_R, R_CHUNK)
+                     out.to(out_ptr.dtype.element_ty), mask=valid_row[:, None])
         else:  # partials, row (token, head, split): out_ptr is fp32 [T, H, SPLITS, D], ml_ptr [T, H, SPLITS, 2]
             row = (tok.to(tl.int64) * (stride_ot // (SPLITS * HEAD_DIM)) + head) * SPLITS + split
             tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=valid_row[:, None])
@@ -149,9 +112,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
 
 @triton.jit
 def _combine_kernel(part_ptr, ml_ptr, out_ptr, H, stride_ot, stride_oh,
-                    a_ptr, slots_ptr, lora_ptr, R, skip_slot, stride_as, stride_ak,
-                    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                    R_CHUNK: tl.constexpr):
+                    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
@@ -162,12 +123,8 @@ def _combine_kernel(part_ptr, ml_ptr, out_ptr, H, stride_ot, stride_oh,
     m_max = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))  # an empty split weighs nothing
     acc = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :])
-    out = (tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out)
-    if LORA:  # the row (t, h) as a one-row tile; the grid is (T, H)
-        one = tl.zeros([1], dtype=tl.int64)
-        _shrink_rows(out.to(tl.float32)[None, :], one + t, one + h, one == 0, a_ptr, slots_ptr, lora_ptr,
-                     tl.num_programs(0), R, skip_slot, stride_as, stride_ak, HEAD_DIM, BLOCK_R, R_CHUNK)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention_triton(
@@ -177,11 +134,8 @@ def paged_attention_triton(
     meta: AttnMetadata,
     scale: float,
     sliding_window: int | None = None,
-    lora: tuple[torch.Tensor, torch.Tensor] | None = None,  # (A_o [S, H*D, R], slots [T] long), slot S-1 skips
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """out[t] = softmax(q[t] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]   -> [T, H, D];
-    with `lora`: (out, part), part[h, t] = out[t, h].float() @ A_o[slots[t], h*D:(h+1)*D].float()   -> [H, T, R]
-    float32 (rows of skip-slot tokens undefined), the partials triton_lora.lora_expand takes."""
+) -> torch.Tensor:
+    """out[t] = softmax(q[t] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]   -> [T, H, D]."""
     num_tokens, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -191,21 +145,9 @@ def paged_attention_triton(
     group = heads // kv_heads
     out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     tables = meta.block_tables
-    if lora is None:  # constant placeholders for the LORA=False kernels (no respecialisation)
-        rank, lora_part, lora_args = 0, None, (q, meta.token_seq, out, 0, 0, 0, 0)
-    else:
-        a_o, slots = lora
-        rank = a_o.shape[2]
-        if a_o.shape[1] != heads * head_dim or a_o.stride(2) != 1 or slots.shape != (num_tokens,):
-            raise ValueError(f"lora needs A_o [S, {heads * head_dim}, R] with unit rank stride and [T] slots, "
-                             f"got {tuple(a_o.shape)} and {tuple(slots.shape)}")
-        lora_part = torch.empty(heads, num_tokens, rank, dtype=torch.float32, device=q.device)
-        lora_args = (a_o, slots, lora_part, rank, a_o.shape[0] - 1, a_o.stride(0), a_o.stride(1))
     if not num_tokens:
-        return out if lora is None else (out, lora_part)
-    block_r = triton.next_power_of_2(max(rank, 1))
+        return out
     group_pad = triton.next_power_of_2(group)
-    bq = block_q(group_pad)
     block_n, stages = kv_tile(head_dim, k_cache.element_size())
     splits = kv_splits(num_tokens, kv_heads)
     if splits == 1:
@@ -217,20 +159,13 @@ def paged_attention_triton(
     _paged_attn_kernel[(num_tokens, kv_heads, splits)](
         q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        *strides, *lora_args, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=bq, HEAD_DIM=head_dim,
+        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q(group_pad), HEAD_DIM=head_dim,
         PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        LORA=lora is not None, BLOCK_R=block_r, R_CHUNK=_rank_chunk(bq * group_pad * head_dim, block_r),
         num_warps=NUM_WARPS, **({"num_stages": stages} if stages else {}))
     if splits > 1:
-        _combine_kernel[(num_tokens, heads)](
-            part, ml, out, heads, out.stride(0), out.stride(1), *lora_args,
-            SPLITS=splits, HEAD_DIM=head_dim, LORA=lora is not None, BLOCK_R=block_r,
-            R_CHUNK=_rank_chunk(head_dim, block_r),
-            num_warps=1 if lora is None else max(1, min(4, head_dim * block_r // 2048)))
-    return out if lora is None else (out, lora_part)
-
-
-paged_attention_triton.folds_lora_shrink = True  # takes `lora` (the model folds o's shrink in when asked)
+        _combine_kernel[(num_tokens, heads)](part, ml, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
+                                             HEAD_DIM=head_dim, num_warps=1)
+    return out
 
 
 # Split-KV ("flash decoding"): at small batches one program per (token, KV head) leaves most of the chip
@@ -252,9 +187,6 @@ SPLIT_BUDGET = int(os.environ.get("LORASERVE_ATTN_SPLIT_BUDGET", "256"))
 ROWS = int(os.environ.get("LORASERVE_ATTN_ROWS", "16"))
 NUM_STAGES = int(os.environ.get("LORASERVE_ATTN_STAGES", "2"))  # 0: Triton's default software pipelining
 _SMEM_BUDGET = 160 << 10  # bytes of K/V tiles in flight (H200: 227 KB of shared memory per block)
-# fp32 elements of the fused o_proj shrink's [rows, D, ranks] product per step (128 registers a thread at 4
-# warps): wider ranks or heads take the ranks in chunks rather than spill. Not yet measured on the GPU.
-LORA_TILE = 16384
 
 
 def kv_splits(num_tokens: int, kv_heads: int) -> int:
@@ -265,11 +197,6 @@ def block_q(group_pad: int) -> int:
     """Query tokens per tile: the tile (block_q x group_pad rows) has at least 16 rows."""
     least = max(1, 16 // group_pad)
     return max(least, ROWS // group_pad) if ROWS else max(8, least)
-
-
-def _rank_chunk(row_elems: int, block_r: int) -> int:
-    """Ranks per step of the fused shrink: the [rows, D, chunk] product stays within LORA_TILE (powers of two)."""
-    return max(1, min(block_r, LORA_TILE // row_elems))
 
 
 def kv_tile(head_dim: int, element_size: int) -> tuple[int, int]:

@@ -5,10 +5,11 @@ At small batches a decode step is bound by the number of kernels, not by bytes: 
 layer (model.TorchOps) runs about 36 small kernels per layer for the norms, the rotary embedding,
 the KV-cache write, SiLU and the residual adds, and a separate shrink and expand launch per LoRA
 module. These kernels do the same work in four launches per layer (plus three for the o and down
-LoRA deltas), rounding where torch rounds (each bf16 operation's result is rounded to bf16 before the
+LoRA deltas, which run on a side stream beside the o and down products), rounding where torch rounds (each bf16 operation's result is rounded to bf16 before the
 next one reads it):
 
-- add_rms_norm:  x = x + delta (rounded), h = weight * rms_norm(x); with `lora`, also the shrink
+- add_rms_norm:  x = x + delta (rounded; with `extra`, delta = delta + extra rounded first: the o or down
+                 LoRA delta computed beside its product), h = weight * rms_norm(x); with `lora`, also the shrink
                  h @ A[slot] of the group that reads h (q/k/v or gate/up), split over K
                                                      grid (tokens, K chunks)
 - rope_write_kv: with `lora`, add the q/k/v expand (part @ B[slot] * scale) to its head's columns;
@@ -28,11 +29,12 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .rounding import rnd as _rnd
-from .triton_gemm import skinny_linear
+from .triton_lora import expand_delta, lora_delta
 
 _NORM_CHUNK = 128  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
 _SILU_BLOCK = 1024  # columns of one silu_mul program
@@ -47,6 +49,9 @@ _SILU_LORA_WARPS = 2
 _NORM_LORA_BK = 0  # K columns per inner step of add_rms_norm with LoRA (its A tile)
 _NORM_LORA_WARPS = 2
 _ROPE_LORA_WARPS = 1
+# The o and down LoRA deltas on a side stream beside their products (0: on the main stream, one after the
+# other, for A/B runs of bench/decode.py).
+SIDE_STREAM = os.environ.get("LORASERVE_SIDE_STREAM", "1") == "1"
 # The fused LoRA path re-reads an adapter's tiles for every token (no run sharing), which pays at decode
 # (one token per sequence) but not for verify passes (k+1 tokens per sequence): above this many tokens in
 # a forward the model applies LoRA with the group op (run-tiled split kernels) instead.
@@ -58,10 +63,11 @@ def _rank_block(r: int) -> int:
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x, stride_d, stride_r, stride_o,
+def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x, stride_d, stride_e,
+                         stride_r, stride_o,
                          a_ptr, slots_ptr, part_ptr, RT, skip_slot, stride_as, stride_ak, stride_ps, stride_pt,
-                         HAS_DELTA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                         BK: tl.constexpr, BLOCK_R: tl.constexpr):
+                         HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr,
+                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -70,8 +76,10 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x
     # rstd over the whole row (every split recomputes it; the row is a few KB)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     if HAS_DELTA:
-        d = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0)
-        x = _rnd(x.to(tl.float32) + d.to(tl.float32), dt)
+        d = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_EXTRA:
+            d = _rnd(d + tl.load(e_ptr + row * stride_e + offs, mask=m, other=0.0), dt)
+        x = _rnd(x.to(tl.float32) + d, dt)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
     slot = 0
@@ -86,8 +94,10 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x
         mc = cols < N
         xc = tl.load(x_ptr + row * stride_x + cols, mask=mc, other=0.0)
         if HAS_DELTA:
-            dc = tl.load(d_ptr + row * stride_d + cols, mask=mc, other=0.0)
-            xc = (xc.to(tl.float32) + dc.to(tl.float32)).to(dt)
+            dc = tl.load(d_ptr + row * stride_d + cols, mask=mc, other=0.0).to(tl.float32)
+            if HAS_EXTRA:
+                dc = _rnd(dc + tl.load(e_ptr + row * stride_e + cols, mask=mc, other=0.0), dt)
+            xc = (xc.to(tl.float32) + dc).to(dt)
             tl.store(res_ptr + row * stride_r + cols, xc, mask=mc)
         wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
         h = (wc * _rnd(xc.to(tl.float32) * rstd, dt)).to(dt)
@@ -101,11 +111,16 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, lora=None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(x + delta, weight * rms_norm(x + delta), LoRA shrink partials or None); with delta None, x itself.
 
-    `lora`: (A [S, N, RT], slots [T]): also part[s, t] = h[t, chunk s] @ A[slot[t], chunk s]."""
+    `lora`: (A [S, N, RT], slots [T]): also part[s, t] = h[t, chunk s] @ A[slot[t], chunk s].
+    `extra` (float32 [T, N], needs delta): delta + extra, rounded to x's dtype, is what is added to x."""
     num_tokens, n = x.shape
+    if extra is not None and (delta is None or extra.shape != x.shape or extra.dtype != torch.float32
+                              or extra.stride(1) != 1):
+        raise ValueError(f"add_rms_norm: extra must be float32 {tuple(x.shape)} beside a delta, "
+                         f"got {None if extra is None else (tuple(extra.shape), extra.dtype)}")
     out = torch.empty_like(x)
     res = torch.empty_like(x) if delta is not None else x
     block = triton.next_power_of_2(n)
@@ -124,9 +139,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         lora_args = (x, x, x, 0, 0, 0, 0, 0, 0)
     if num_tokens:
         _add_rms_norm_kernel[(num_tokens, splits)](
-            x, delta if delta is not None else x, weight, res, out, n, eps, x.stride(0),
-            delta.stride(0) if delta is not None else 0, res.stride(0), out.stride(0), *lora_args,
-            HAS_DELTA=delta is not None, LORA=lora is not None, BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r,
+            x, delta if delta is not None else x, extra if extra is not None else x, weight, res, out, n, eps,
+            x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
+            res.stride(0), out.stride(0), *lora_args,
+            HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None, BLOCK=block,
+            CHUNK=chunk, BK=bk, BLOCK_R=block_r,
             num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
@@ -240,7 +257,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, R, num_splits, R2, skip_slot,
                      stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
                      stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, EXPAND: tl.constexpr):
+                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -253,23 +270,21 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
     dacc = tl.zeros([BLOCK_R2], dtype=tl.float32)
     sg = tl.zeros([BLOCK_R], dtype=tl.float32)
     su = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if EXPAND:  # else the gate/up deltas are already in gate_up
-        if do_lora:
-            sg = _lora_row(part_ptr, scale_ptr, slot, row, 0, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
-                           BLOCK_R, dt)
-            su = _lora_row(part_ptr, scale_ptr, slot, row, 1, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
-                           BLOCK_R, dt)
+    if do_lora:
+        sg = _lora_row(part_ptr, scale_ptr, slot, row, 0, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
+                       BLOCK_R, dt)
+        su = _lora_row(part_ptr, scale_ptr, slot, row, 1, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
+                       BLOCK_R, dt)
     for c0 in range(0, BLOCK, SB):
         cols = nb * BLOCK + c0 + tl.arange(0, SB)
         m = cols < N
         g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
         u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0)
-        if EXPAND:
-            if do_lora:
-                dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
-                du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
-                g = (g.to(tl.float32) + dg).to(dt)
-                u = (u.to(tl.float32) + du).to(dt)
+        if do_lora:
+            dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
+            du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
+            g = (g.to(tl.float32) + dg).to(dt)
+            u = (u.to(tl.float32) + du).to(dt)
         gf = g.to(tl.float32)
         act = (_rnd(gf / (1.0 + tl.exp(-gf)), dt) * u.to(tl.float32)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, act, mask=m)
@@ -286,8 +301,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
 
     `lora`: (part [splits, T, 2R] from add_rms_norm, B_gate_up [S, R, 2N], scale [S, 2], A_down [S, N, R2],
     slots [T]): the gate/up deltas are added before the activation, and part_down[c, t] = act[t, block c]
-    @ A_down[slot[t], block c] is returned for lora_expand. With part, B and scale None, only the down shrink
-    (the gate/up deltas already in gate_up, added by the product's epilogue: kernels/triton_gemm.py)."""
+    @ A_down[slot[t], block c] is returned for lora_expand."""
     num_tokens, width = gate_up.shape
     n = width // 2
     if gate_up.stride(1) != 1:
@@ -298,10 +312,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
     dpart = None
     if lora is not None:
         part, b, scale, a_down, slots = lora
-        expand = part is not None
-        if not expand:  # placeholders the EXPAND=False kernel never reads
-            part, b, scale = a_down.new_zeros(1, 1, 1, dtype=torch.float32), a_down, a_down.new_zeros(1, 1)
-        rank, r2 = (b.shape[1] if expand else 1), a_down.shape[2]
+        rank, r2 = b.shape[1], a_down.shape[2]
         block_r, block_r2 = _rank_block(rank), _rank_block(r2)
         sb = min(block, _SILU_LORA_SB or max(16, min(block, 8192 // max(block_r, block_r2))))
         dpart = torch.empty(nblocks, num_tokens, r2, dtype=torch.float32, device=gate_up.device)
@@ -311,32 +322,68 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
     else:
         block_r = block_r2 = 1
         sb = block
-        expand = False
         lora_args = (gate_up,) * 6 + (0,) * 13
     if num_tokens:
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
-                                                EXPAND=expand,
                                                 num_warps=_SILU_LORA_WARPS if lora is not None else 4)
     return out, dpart
 
 
+class SideBranch:
+    """Kernels queued on a second stream of the device, in parallel with the main stream's next ones (inside a
+    CUDA graph capture: a parallel branch of the graph). `with branch:` forks: the side stream waits for what
+    the main stream has queued so far and becomes the current stream; `branch.join()` makes the main stream
+    wait for what the side stream has queued. Off a CUDA device (the Triton interpreter), or with SIDE_STREAM
+    off, both are no-ops."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and SIDE_STREAM else None
+        self._main = self._ctx = None
+
+    def __enter__(self) -> SideBranch:
+        if self.stream is not None:
+            self._main = torch.cuda.current_stream(self.stream.device)
+            self.stream.wait_stream(self._main)
+            self._ctx = torch.cuda.stream(self.stream)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+            self._ctx = None
+
+    def join(self) -> None:
+        if self._main is not None:
+            self._main.wait_stream(self.stream)
+
+
+_BRANCHES: dict[torch.device, SideBranch] = {}
+
+
+def side_branch(device: torch.device) -> SideBranch:
+    """The device's SideBranch (one side stream per device, made on first use)."""
+    if device not in _BRANCHES:
+        _BRANCHES[device] = SideBranch(device)
+    return _BRANCHES[device]
+
+
 class TritonOps:
-    """model.TorchOps' contract, in the fused kernels above; `fuses_lora`: the model passes LoRA arguments."""
+    """model.TorchOps' contract, in the fused kernels above; `fuses_lora`: the model passes LoRA arguments,
+    and computes the o and down LoRA deltas (`lora_delta`, `expand_delta`: float32 buffers) on the
+    `side_branch` beside their products, for the next add_rms_norm's `extra`."""
 
     fuses_lora = True
     max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
-    # F.linear (+ `lora`: a group's expand, by lora_expand) unless LORASERVE_SKINNY_GEMM=1, which runs
-    # decode-sized products and the expand in one Triton kernel (kernels/triton_gemm.py).
-    linear = staticmethod(skinny_linear)
-    # Fold the o_proj LoRA shrink into the attention kernel at decode (kernels/triton_attention.py): one launch
-    # fewer per layer. Off until measured on the GPU (LORASERVE_FOLD_O_SHRINK=1).
-    fold_o_shrink = os.environ.get("LORASERVE_FOLD_O_SHRINK", "0") == "1"
-    # The q/k/v and gate/up expands in their products' epilogue instead of the rotary and SiLU kernels (with
-    # LORASERVE_SKINNY_GEMM=1; without it the products add them with separate expand launches, which is slower).
-    # Off until measured (LORASERVE_EXPAND_IN_PRODUCT=1).
-    expand_in_product = os.environ.get("LORASERVE_EXPAND_IN_PRODUCT", "0") == "1"
+    # Measured on the H200 (bench/RESULTS.md, "GPU decode, fourth pass"): a split-K Triton GEMM for
+    # decode-sized products (with LoRA expands in its epilogue) was slower than cuBLAS for all but the LM head,
+    # and so was the o shrink folded into the attention kernel; both were removed.
+    linear = staticmethod(F.linear)
     add_rms_norm = staticmethod(add_rms_norm)
     rope_write_kv = staticmethod(rope_write_kv)
     silu_mul = staticmethod(silu_mul)
+    lora_delta = staticmethod(lora_delta)
+    expand_delta = staticmethod(expand_delta)
+    side_branch = staticmethod(side_branch)

@@ -13,7 +13,10 @@ the zero slot (base-only) skip all work.
 shrink: grid (T, splits); the leader of run r at split s sums x[r, k] @ A[slot, k, :] over its K
         range into part[s, r, :] (fp32). Splitting K keeps the chip busy at small batches without atomics.
 expand: grid (T, cdiv(out, BLOCK_N)); the leader sums the K partials, scales, multiplies by its B
-        tile and adds into y (any row stride: y may be a column slice of a fused output).
+        tile and adds into y (any row stride: y may be a column slice of a fused output), or (`lora_delta`)
+        stores the fp32 delta itself into a buffer of its own, zero on the zero slot, for a consumer that
+        adds it (the fused model adds o's and down's in the next norm kernel, so these launches run on a
+        side stream beside the o and down products).
 """
 
 from __future__ import annotations
@@ -84,14 +87,14 @@ def _segment(nb, BLOCK_N: tl.constexpr, SEG1, SEG2):
 def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_splits, skip_slot, SEG1, SEG2,
                    stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr):
+                   SPLITS: tl.constexpr, STORE: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
-    if leader & (slot != skip_slot):
+    if leader & ((slot != skip_slot) | STORE):  # STORE: zero-slot runs store zeros (their partials are unset)
         seg = _segment(nb, BLOCK_N, SEG1, SEG2)
         offs_r = tl.arange(0, BLOCK_R)
-        mr = offs_r < R
+        mr = (offs_r < R) & (slot != skip_slot)
         # every split's partial in one 3-D load (a loop over them would wait on each load in turn)
         offs_s = tl.arange(0, SPLITS)
         parts = tl.load(part_ptr + offs_s[:, None, None] * stride_ps + offs_t[None, :, None] * stride_pt + seg * R
@@ -110,8 +113,11 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_sp
             delta = tl.dot(s.to(bv.dtype), bv)
         y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
         mask = rows[:, None] & mn[None, :]
-        yv = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
+        if STORE:
+            tl.store(y_ptrs, delta, mask=mask)
+        else:
+            yv = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
@@ -150,9 +156,10 @@ def _segment_args(segments: tuple[int, ...], fan_out: int, block_n: int) -> tupl
 
 
 def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                skip_slot: int, segments: tuple[int, ...] = (0,)) -> None:
+                skip_slot: int, segments: tuple[int, ...] = (0,), store: bool = False) -> None:
     """y[t, seg cols] += sum_s part[s, t, seg*R:(seg+1)*R] @ B[slot[t], :, seg cols] * scale[slot[t], seg]
-    (in place; y may be a column slice). `scale` is [S] for one module or [S, nseg] for a fused group."""
+    (in place; y may be a column slice). `scale` is [S] for one module or [S, nseg] for a fused group.
+    store: y (float32) = the delta itself, zero on skip_slot's rows."""
     num_tokens, fan_out = y.shape
     rank = b.shape[1]
     block_r, block_n = _tile(rank)
@@ -163,7 +170,23 @@ def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: tor
             part, b, scale, slots, y, num_tokens, fan_out, rank, part.shape[0], skip_slot, seg1, seg2,
             part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), y.stride(0),
             BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
-            SPLITS=triton.next_power_of_2(part.shape[0]), num_warps=_EXPAND_WARPS)
+            SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, num_warps=_EXPAND_WARPS)
+
+
+def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """sum_s part[s, t] @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32, zero for tokens on the zero slot
+    (S - 1). `scale` [S] or [S, 1]."""
+    out = torch.empty(part.shape[1], b.shape[2], dtype=torch.float32, device=b.device)
+    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True)
+    return out
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """(x[t] @ A[slot[t]]) @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32 (the rank-space product rounded
+    to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it."""
+    _check(x, x, a, b)
+    return expand_delta(lora_shrink(x, a, slots, a.shape[0] - 1), b, scale, slots)
 
 
 def _check(y, x, a, b) -> None:

@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|gemm|fused|lora|host_copy|engine
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|lora|engine
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import sys
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
@@ -51,7 +50,7 @@ def attention():
     from engine_ext.kernels import triton_attention as ta
 
     g = torch.Generator().manual_seed(0)
-    heads, kvh, d, rank, nslots = 8, 2, 16, 8, 4
+    heads, kvh, d = 8, 2, 16
     settings = [dict(MAX_SPLITS=1, ROWS=16, BLOCK_N=32), dict(MAX_SPLITS=1, ROWS=0, BLOCK_N=16),
                 dict(MAX_SPLITS=4, SPLIT_BUDGET=1 << 16, ROWS=16, BLOCK_N=16)]
     for lens, qlens in (([37, 5, 2], [1, 1, 1]), ([37, 20, 6], [1, 3, 5])):
@@ -62,57 +61,6 @@ def attention():
                 for k, v in s.items():
                     setattr(ta, k, v)
                 _close(ta.paged_attention_triton(q, kc, vc, meta, 0.25, window), ref)
-        # the o_proj shrink in the epilogue (and in the split-KV combine)
-        a_o = torch.randn(nslots, heads * d, rank, generator=g)
-        a_o[-1] = 0
-        slots = torch.tensor([0, nslots - 1, 2])[meta.token_seq]
-        for s in settings[0], settings[2]:
-            for k, v in s.items():
-                setattr(ta, k, v)
-            out, part = ta.paged_attention_triton(q, kc, vc, meta, 0.25, lora=(a_o, slots))
-            live = slots != nslots - 1
-            shrink = torch.einsum("ti,tir->tr", out.reshape(len(slots), -1), a_o[slots])
-            _close(part.sum(0)[live], shrink[live])
-
-
-def gemm():
-    from engine_ext.kernels import triton_gemm as tg
-
-    g = torch.Generator().manual_seed(1)
-    for m, n, k, bias, target in ((5, 200, 300, True, 264), (32, 64, 512, False, 264), (17, 48, 256, True, 0)):
-        tg.TARGET_BLOCKS, tg.BLOCK_N, tg.BLOCK_K = target, 32, 64
-        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-        b = torch.randn(n, generator=g) if bias else None
-        _close(tg.skinny_matmul(x, w, b), F.linear(x, w, b))
-        counters = tg._counters.get(x.device)
-        assert counters is None or not counters.any()  # every split tile's ticket counter was reset
-        # the one-module LoRA expand in the epilogue
-        rank, parts, nslots = 8, 3, 4
-        part = torch.randn(parts, m, rank, generator=g)
-        bb = torch.randn(nslots, rank, n, generator=g)
-        bb[-1] = 0
-        scale = torch.rand(nslots, 1, generator=g)
-        slots = torch.randint(0, nslots, (m,), generator=g)
-        ref = F.linear(x, w, b)
-        live = slots != nslots - 1
-        ref[live] += torch.einsum("mr,mrn->mn", part.sum(0) * scale[slots], bb[slots])[live]
-        _close(tg.skinny_matmul(x, w, b, (part, bb, scale, slots)), ref)
-    # a fused group's expand (three modules, as q/k/v): each column tile takes its module's partials and scale
-    m, n, k, rank, nslots, segs = 9, 128, 2048, 8, 4, (0, 64, 96)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    part = torch.randn(4, m, 3 * rank, generator=g)
-    bb = torch.randn(nslots, rank, n, generator=g)
-    bb[-1] = 0
-    scale = torch.rand(nslots, 3, generator=g)
-    slots = torch.randint(0, nslots, (m,), generator=g)
-    ref = F.linear(x, w)
-    live = slots != nslots - 1
-    for seg, (lo, hi) in enumerate(zip(segs, (64, 96, 128))):
-        s = part.sum(0)[:, seg * rank : (seg + 1) * rank] * scale[slots, seg][:, None]
-        ref[live, lo:hi] += torch.einsum("mr,mrn->mn", s, bb[slots][:, :, lo:hi])[live]
-    tg.TARGET_BLOCKS = 264
-    assert tg.plan(m, n, k, 32)[3] > 1  # split K too
-    _close(tg.skinny_matmul(x, w, None, (part, bb, scale, slots, segs)), ref)
 
 
 def fused():
@@ -146,6 +94,11 @@ def fused():
     _, h, _ = TorchOps.add_rms_norm(x.clone(), d, w, 1e-5)
     _, h2, part = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq, slots))
     _close(h2, h)
+    e = torch.randn(T, hid, generator=g)  # `extra`: a float32 delta beside d
+    x_ref, h_ref, _ = TorchOps.add_rms_norm(x.clone(), d + e, w, 1e-5)
+    x3, h3, _ = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq, slots), extra=e)
+    _close(x3, x_ref)
+    _close(h3, h_ref)
     qkv = torch.randn(T, qs + 2 * kvs, generator=g)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     cos, sin = cos_sin(inv, torch.tensor([3, 4, 0, 9, 2, 5]), torch.float32)
@@ -162,16 +115,14 @@ def fused():
     act_ref = TorchOps.silu_mul(ref_group(gu, h, ag, bg, sg, (0, inter)))[0]
     act, part_d = tf.silu_mul(gu.clone(), lora=(part_g, bg, sg, ad, slots))
     _close(act, act_ref)
-    # the gate/up deltas already in gate_up (a product's epilogue added them): only the down shrink
-    with_deltas = ref_group(gu, h, ag, bg, sg, (0, inter))
-    act2, part_d2 = tf.silu_mul(with_deltas.clone(), lora=(None, None, None, ad, slots))
-    _close(act2, act_ref)
-    live = slots != S - 1
-    _close(part_d2[:, live], part_d[:, live])
     y0 = torch.randn(T, hid, generator=g)
     y = y0.clone()
     lora_expand(y, part_d, bd, sd, slots, S - 1)
-    _close(y, ref_group(y0, act, ad, bd, sd, (0,)))
+    ref = ref_group(y0, act, ad, bd, sd, (0,))
+    _close(y, ref)
+    # the down delta on its own (the side-stream expand): zero on the zero slot, whatever its partials hold
+    part_d[:, slots == S - 1] = float("nan")
+    _close(tf.expand_delta(part_d, bd, sd, slots) + y0, ref)
 
 
 def lora():
@@ -191,24 +142,17 @@ def lora():
         add_lora_reference(ref, x, a, b, sc, idx)
         tlr.add_lora_triton(out, x, a, b, sc, idx)
         _close(out, ref)
-
-
-def host_copy():
-    from engine_ext.kernels import host_copy as hc
-
-    src = torch.arange(3000, dtype=torch.long).view(3, 1000)
-    dst = torch.zeros_like(src)
-    hc._copy_kernel[(3,)](src, dst, src.numel(), BLOCK=1024)
-    assert torch.equal(src, dst)
+        delta = tlr.lora_delta(x, a, b, sc, idx)  # the whole delta, float32, into a buffer of its own
+        assert delta.dtype == torch.float32 and torch.all(delta[idx == S - 1] == 0)
+        _close(delta + y0, ref)
 
 
 def engine():
-    """A tiny model through the engine with every Triton path on (the o shrink in attention, the skinny GEMM
-    with its LoRA epilogue, forced split K; then every expand in a product): the plain-torch engine's tokens."""
+    """A tiny model through the engine with the Triton kernels (fused LoRA at decode, the o and down deltas
+    beside their products): the plain-torch engine's tokens."""
     from tiny_models import build_adapter, build_model
 
     from engine_ext import EngineConfig, LLMEngine, SamplingParams
-    from engine_ext.kernels import triton_gemm
     from engine_ext.kernels.triton_fused import TritonOps
 
     root = tempfile.mkdtemp()
@@ -228,21 +172,15 @@ def engine():
 
     ref = run()
     used = []
+    lora_delta = TritonOps.lora_delta
 
-    def linear(x, w, b=None, lora=None):  # the skinny kernel for every decode-sized product (x is on the CPU here)
-        if 0 < x.shape[0] <= triton_gemm.MAX_ROWS:
-            used.append(lora is not None)
-            return triton_gemm.skinny_matmul(x, w, b, lora)
-        return TorchOps_linear(x, w, b, lora)
+    def counted(*args):
+        used.append(1)
+        return lora_delta(*args)
 
-    TorchOps_linear = TritonOps.linear
-    TritonOps.fold_o_shrink, TritonOps.linear, triton_gemm.TARGET_BLOCKS = True, staticmethod(linear), 64
+    TritonOps.lora_delta = staticmethod(counted)
     assert run(lora_backend="triton", attn_backend="triton") == ref
-    assert any(used)  # the epilogue expand ran
-    TritonOps.expand_in_product = True  # q/k/v and gate/up expands in their products too
-    used.clear()
-    assert run(lora_backend="triton", attn_backend="triton") == ref
-    assert sum(used) > 2 * len(used) // 5  # 4 of every 5 decode products carry an expand (the LM head none)
+    assert used  # the fused path ran
 
 
 if __name__ == "__main__":

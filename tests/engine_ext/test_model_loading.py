@@ -123,7 +123,6 @@ def test_text_prompts_through_the_tokenizer(llama, tmp_path):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(graph_inputs="zero-copy"), r"graph_inputs must be one of \('copy', 'mapped'\)"),
     (dict(cuda_graphs=True), "cuda_graphs needs a CUDA device"),
     (dict(max_graph_tokens=0), "max_graph_tokens must be >= 1"),
     (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras must be >= max_loras"),
@@ -131,4 +130,3 @@ def test_text_prompts_through_the_tokenizer(llama, tmp_path):
 def test_engine_options_are_validated(llama, bad, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(model=llama, **bad)
-    assert EngineConfig(model=llama).graph_inputs == "copy"

@@ -91,11 +91,9 @@ def test_a_copy_is_issued_once_a_forward_is_queued(setup):
     assert slots.ready("y64") and not slots.loading
 
 
-def _engine(model, adapters, fast: bool | str) -> LLMEngine:
-    """fast: False (eager torch), True (Triton + graphs), "mapped" (... with graph_inputs="mapped")."""
+def _engine(model, adapters, fast: bool) -> LLMEngine:
+    """fast: False (eager torch), True (Triton + graphs)."""
     kw = dict(lora_backend="triton", attn_backend="triton", cuda_graphs=True, max_graph_tokens=48) if fast else {}
-    if fast == "mapped":
-        kw["graph_inputs"] = "mapped"
     engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="float32", max_loras=3, max_lora_rank=MAX_RANK,
                                     block_size=4, max_model_len=128, num_kv_blocks=256, **kw))
     for n, p in adapters.items():
@@ -126,7 +124,7 @@ def _run(engine: LLMEngine, with_y: bool, hold: bool = False) -> tuple[dict[str,
     return done, overlapped
 
 
-@pytest.mark.parametrize("fast", [False, True, "mapped"], ids=["eager", "triton-graphs", "triton-graphs-mapped"])
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "triton-graphs"])
 def test_a_cold_load_changes_nothing_for_running_requests(setup, fast):
     model, adapters = setup
     alone, _ = _run(_engine(model, adapters, fast), with_y=False)

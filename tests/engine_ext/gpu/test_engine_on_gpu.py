@@ -60,46 +60,6 @@ def test_graphs_and_kernels_reproduce_the_eager_engine(setup, spec):
     assert graphs.capture_seconds is not None and len(graphs.graphs) == 2 * len(graphs.buckets)
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
-def test_graphs_with_mapped_inputs_reproduce_the_eager_engine(setup, spec):
-    """graph_inputs="mapped": step metadata read by a kernel from the pinned buffers, not copied."""
-    model, adapters, expected = setup
-    engine = _engine(model, adapters, spec, graph_inputs="mapped", **FAST)
-    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
-    assert [o.token_ids for o in outs] == expected
-    assert engine.runner.graphs._upload.__name__ == "copy_from_pinned"
-
-
-@pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
-def test_graphs_with_the_skinny_gemm_reproduce_the_eager_engine(setup, spec, monkeypatch):
-    """LORASERVE_SKINNY_GEMM=1: decode-sized products through kernels/triton_gemm.py (float32 here: exact
-    products, so the tokens match the eager engine's)."""
-    from engine_ext.kernels import triton_gemm
-
-    monkeypatch.setattr(triton_gemm, "ENABLED", True)
-    if spec is not None:  # with the o shrink in attention and every expand in its product's epilogue
-        from engine_ext.kernels.triton_fused import TritonOps
-
-        monkeypatch.setattr(TritonOps, "fold_o_shrink", True)
-        monkeypatch.setattr(TritonOps, "expand_in_product", True)
-    model, adapters, expected = setup
-    engine = _engine(model, adapters, spec, **FAST)
-    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
-    assert [o.token_ids for o in outs] == expected
-
-
-@pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
-def test_graphs_with_the_o_shrink_in_attention_reproduce_the_eager_engine(setup, spec, monkeypatch):
-    """LORASERVE_FOLD_O_SHRINK=1: at decode the o_proj LoRA shrink runs in the attention kernel's epilogue."""
-    from engine_ext.kernels.triton_fused import TritonOps
-
-    monkeypatch.setattr(TritonOps, "fold_o_shrink", True)
-    model, adapters, expected = setup
-    engine = _engine(model, adapters, spec, **FAST)
-    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
-    assert [o.token_ids for o in outs] == expected
-
-
 def test_kernels_without_graphs_reproduce_the_eager_engine(setup):
     model, adapters, expected = setup
     engine = _engine(model, adapters, None, device="cuda", lora_backend="triton", attn_backend="triton")
@@ -112,12 +72,3 @@ def test_cuda_graphs_need_the_triton_attention(setup):
     with pytest.raises(ValueError, match="cuda_graphs needs"):
         EngineConfig(model=model, device="cuda", cuda_graphs=True)
     assert torch.cuda.is_available()
-
-
-def test_compiled_graphs_reproduce_the_eager_engine(setup):
-    """Experimental torch.compile of the captured forwards (kernels as opaque custom ops)."""
-    model, adapters, expected = setup
-    engine = _engine(model, adapters, SpecConfig(num_draft_tokens=2, gate=False), compile_graphs=True, **FAST)
-    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
-    assert [o.token_ids for o in outs] == expected
-    assert engine.runner.graphs.compiled is not None

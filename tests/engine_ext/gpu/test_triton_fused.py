@@ -145,6 +145,42 @@ def test_group_op_is_registered_with_the_triton_backend():
 
 
 # ---------------------------------------------------------------- LoRA folded into the element-wise kernels
+def test_o_delta_on_the_side_stream_equals_the_in_place_op():
+    """lora_delta (shrink + store-mode expand, float32) on a SideBranch, joined, then added to the base
+    output: add_lora_triton's result, bit for bit, in and out of a CUDA graph."""
+    from engine_ext.kernels.triton_fused import side_branch
+    from engine_ext.kernels.triton_lora import add_lora_triton, lora_delta
+
+    g = _gen(7)
+    tokens, hidden, rank, num_slots, dtype = 32, 2048, 16, 9, torch.bfloat16
+    slots = torch.randint(0, num_slots, (tokens,), generator=g, device=DEV)
+    a = _slot_stack(num_slots, hidden, rank, g, dtype, hidden**-0.5)
+    b = _slot_stack(num_slots, rank, hidden, g, dtype, 0.5)
+    scale = torch.rand(num_slots, generator=g, device=DEV)
+    x = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
+    y0 = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
+    ref = y0.clone()
+    add_lora_triton(ref, x, a, b, scale, slots)
+    branch = side_branch(x.device)
+
+    def forward():
+        with branch:
+            delta = lora_delta(x, a, b, scale, slots)
+        base = y0 * 1  # the main stream's work meanwhile
+        branch.join()
+        return (base.float() + delta).to(dtype)
+
+    assert torch.equal(forward(), ref)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+
 def _slot_stack(num_slots, rows, cols, g, dtype, scale=1.0):
     t = (torch.randn(num_slots, rows, cols, generator=g, device=DEV) * scale).to(dtype)
     t[-1] = 0  # the zero slot
@@ -157,7 +193,7 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     """One layer's q/k/v and gate/up/down LoRA through the fused kernels against the reference composition:
     norm, base output + per-module LoRA (lora_ops reference), then rotary/KV write and SiLU (TorchOps)."""
     from engine_ext.kernels.triton_fused import add_rms_norm, rope_write_kv, silu_mul
-    from engine_ext.kernels.triton_lora import lora_expand
+    from engine_ext.kernels.triton_lora import expand_delta, lora_expand
 
     g = _gen(tokens * 131 + rank)
     hidden, inter, heads, kv_heads, head_dim, num_slots = 2048, 8192, 32, 8, 64, 9
@@ -214,6 +250,14 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     assert ((y.double() - ref_y.double()).norm() / (ref_y.double() - y0.double()).norm()).item() < 1e-2
     base = slots == num_slots - 1
     assert torch.equal(y[base], y0[base])
+    # the same down delta into a float32 buffer of its own (the model's side stream), added by the next norm
+    # kernel as `extra`: exactly what the in-place expand left in y
+    extra = expand_delta(part_down, b_down, sc["down"], slots)
+    assert extra.dtype == torch.float32 and torch.all(extra[base] == 0)
+    assert torch.equal((y0.float() + extra).to(dtype), y)
+    res, h3, _ = add_rms_norm(x.clone(), y0, w, 1e-5, (a_qkv, slots), extra=extra)
+    ref_res, ref_h3, _ = add_rms_norm(x.clone(), y, w, 1e-5, (a_qkv, slots))
+    assert torch.equal(res, ref_res) and torch.equal(h3, ref_h3)
 
 
 @pytest.mark.parametrize("setting", [
