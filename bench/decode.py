@@ -256,6 +256,8 @@ def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | N
             drafted, accepted = drafted + acc.drafted - d0, accepted + acc.accepted - a0
         out["acceptance"] = accepted / drafted if drafted else None
         out["gate_decisions"] = dict(Counter(engine.speculator.gate.decisions) - before)
+        if out["gate_decisions"].get("plain_cost"):  # the cost model's numbers behind them
+            out["plain_cost_why"] = list(engine.speculator.gate.recent_plain_cost)
     out["itl_ms_p50"] = out["step_ms_p50"]
     out["itl_ms_p99"] = out["step_ms_p99"]
     engine.speculator = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +145,7 @@ class Gate:
         self.times = StepTimes()
         self.acceptance: dict[str, AdapterAcceptance] = {}
         self.decisions: Counter[str] = Counter()
+        self.recent_plain_cost: deque[str] = deque(maxlen=8)  # why the latest cost-based plain decisions
         self.probe_interval = probe_interval
         self.plain_streak = 0  # consecutive plain decisions; a probe cycle refreshes stale measurements
 
@@ -152,6 +153,18 @@ class Gate:
         if name not in self.acceptance:
             self.acceptance[name] = AdapterAcceptance(ema=self.cfg.initial_acceptance)
         return self.acceptance[name]
+
+    def gated_off(self, adapters: list[str]) -> bool:
+        """True when no adapter of the batch would draft, known without the cost model: the gate is on, every
+        adapter's acceptance is below min_acceptance, none is due a re-measure and no probe cycle is due
+        (draft_lengths would return all zeros and decide() count plain_low_acceptance)."""
+        if not self.cfg.gate or not adapters or (self.probe_interval and self.plain_streak >= self.probe_interval):
+            return False
+        for name in set(adapters):
+            a = self.adapter(name)
+            if a.ema >= self.cfg.min_acceptance or (self.probe_interval and a.idle_steps >= self.probe_interval):
+                return False
+        return True
 
     def draft_lengths(self, adapters: list[str], caps: list[int], batch: int) -> list[int]:
         """Per adapter sequence, a draft length in 0..min(k, cap).
@@ -242,7 +255,13 @@ class Gate:
         self._count("plain_cost", f"{spec_rate:.1f} tok/s speculative <= {plain_rate:.1f} tok/s plain")
         return False
 
+    def count(self, decision: str, why: str) -> None:
+        """Record a decision taken outside decide() (the speculator's gated-off fast path)."""
+        self._count(decision, why)
+
     def _count(self, decision: str, why: str) -> None:
         self.decisions[decision] += 1
+        if decision == "plain_cost":
+            self.recent_plain_cost.append(why)
         self.plain_streak = self.plain_streak + 1 if decision.startswith("plain") else 0
         logger.debug("gate: %s (%s)", decision, why)

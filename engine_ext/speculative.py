@@ -72,11 +72,15 @@ class Speculator:
         self.cycles = self.plain_steps = self.draft_passes = 0
         self.greedy_cycles = 0  # cycles that took the one-sync path
         self._capture_pending = False  # this step may capture the runner's CUDA graphs (see _record)
+        self._reserve = True  # reserve drafting room at the next schedule (see step)
 
     # ------------------------------------------------------------ one engine step
     def step(self) -> list[Sequence]:
         e = self.engine
-        batch = e.scheduler.schedule(lookahead=self.lookahead)
+        # Drafting room (lookahead blocks) is reserved unless the previous step found every adapter gated off:
+        # then this step is plain whatever happens, and only a step that could draft reserves again.
+        lookahead = self.lookahead if self._reserve else 0
+        batch = e.scheduler.schedule(lookahead=lookahead)
         if batch.empty:
             return []
         self._capture_pending = self._capturing()
@@ -84,23 +88,34 @@ class Speculator:
         lora_seqs = [s for s in decoding if s.adapter is not None]
         base_seqs = [s for s in decoding if s.adapter is None]
         names = [s.adapter for s in lora_seqs]
-        caps = [self._cap(s) for s in lora_seqs]
-        lengths = self.gate.draft_lengths(names, caps, len(decoding))
-        prefill_tokens = sum(s.num_tokens - s.num_computed for s in batch.seqs if s.is_prefill)
-        if lora_seqs and self.gate.decide(names, lengths, len(base_seqs), caps):
+        speculate = False
+        if self.gate.gated_off(names):  # the fast path of a batch whose adapters all draft nothing
+            self.gate.count("plain_low_acceptance", "every adapter's acceptance is below the drafting threshold")
+            self._reserve = False
+        elif lora_seqs and not lookahead:
+            self.gate.count("plain_unreserved", "no drafting room reserved this step (all were gated off)")
+            self._reserve = True
+        elif lora_seqs:
+            caps = [self._cap(s) for s in lora_seqs]
+            lengths = self.gate.draft_lengths(names, caps, len(decoding))
+            speculate = self.gate.decide(names, lengths, len(base_seqs), caps)
+            self._reserve = True
+        if speculate:
             self.cycles += 1
             self._cycle(batch.seqs, dict(zip(map(id, lora_seqs), lengths)), base_seqs)
         else:
             self.plain_steps += 1
             for name in set(names):
                 self.gate.adapter(name).idle_steps += 1
+            prefill_tokens = sum(s.num_tokens - s.num_computed for s in batch.seqs if s.is_prefill)
             start = time.perf_counter()
             e.run_plain(batch.seqs)
             tokens = len(decoding) + prefill_tokens  # one token per decoding sequence, the prompt for prefills
             self._record("plain", tokens, len(set(names)), time.perf_counter() - start)
-        for s in batch.seqs:  # give back the lookahead blocks nothing was written to
-            if not s.finished:
-                e.blocks.truncate(s.block_table, s.num_tokens)
+        if lookahead:
+            for s in batch.seqs:  # give back the lookahead blocks nothing was written to
+                if not s.finished:
+                    e.blocks.truncate(s.block_table, s.num_tokens)
         return batch.seqs
 
     def _capturing(self) -> bool:

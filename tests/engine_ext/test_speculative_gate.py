@@ -145,6 +145,38 @@ def test_gate_turns_drafting_off_for_far_and_on_for_close_adapters(model, adapte
         assert acceptance > 0.9 and passes > 0 and decisions.get("speculate", 0) > 0
     else:
         assert acceptance < 0.3 and passes == 0 and decisions.get("plain_low_acceptance", 0) > 0
+        # gated off: the fast path, which stops reserving drafting room (no lookahead blocks) ...
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt_token_ids=p, sampling_params=params, adapter_name=adapter)
+        for _ in range(4):
+            engine.step()
+        running = list(engine.scheduler.running.values())
+        assert running and engine.speculator._reserve is False
+        assert all(len(s.block_table) == -(-s.num_tokens // engine.config.block_size) for s in running)
+        while engine.has_unfinished_requests:
+            engine.step()
+        # ... and still produces plain decoding's tokens
+        plain = LLMEngine(EngineConfig(model=path, num_kv_blocks=256))
+        plain.add_adapter(adapter, adapters[adapter])
+        ref = plain.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=[adapter] * 4)
+        out = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=[adapter] * 4)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_gated_off_needs_every_adapter_low_and_no_remeasure_due():
+    gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
+    for name in ("a", "b"):
+        gate.adapter(name).ema = 0.0
+    assert gate.gated_off(["a", "b", "a"])
+    assert not gate.gated_off([])  # nothing to gate
+    gate.adapter("c").ema = 0.9
+    assert not gate.gated_off(["a", "c"])  # c drafts
+    gate.adapter("b").idle_steps = gate.probe_interval
+    assert not gate.gated_off(["a", "b"])  # b is due a re-measure
+    gate.adapter("b").idle_steps = 0
+    gate.plain_streak = gate.probe_interval
+    assert not gate.gated_off(["a", "b"])  # a probe cycle is due
+    assert not Gate(SpecConfig(num_draft_tokens=4, gate=False)).gated_off(["a"])
 
 
 def test_per_cycle_overhead_favours_longer_cycles():
