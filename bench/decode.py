@@ -318,6 +318,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     results = {"machine": machine(), "command": " ".join(sys.argv), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+               "settings": {k: v for k, v in os.environ.items() if k.startswith("LORASERVE_")},  # launch overrides
                "forward": [], "engine": [], "hf": [], "capture_s": {}}
 
     def dump():

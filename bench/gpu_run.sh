@@ -21,31 +21,25 @@ python3 -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadfile"
 export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
+# The ab step's variants, one per line (AB_VARIANTS overrides): the fused LoRA kernels' launch settings and the
+# one-launch o delta. (Attention's were A/B'd this way in run 13: the defaults won.)
+DEFAULT_AB="LORASERVE_FUSED_DELTA=1
+LORASERVE_SILU_LORA_WARPS=4
+LORASERVE_SILU_LORA_BLOCK=256
+LORASERVE_SILU_LORA_BLOCK=1024 LORASERVE_SILU_LORA_WARPS=4 LORASERVE_SILU_LORA_SB=256
+LORASERVE_NORM_LORA_WARPS=4
+LORASERVE_NORM_CHUNK=256"
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
 for step in $STEPS; do
   start=$SECONDS
   case $step in
-    attnvar)  # attention launch settings judged in the whole forward (plain, batch 32, 32 rank-16 adapters, real
-      # HBM traffic, unlike bench/attn_sweep.py's L2-resident caches); a setting that beats the default by more than
-      # 1% is exported for the later steps
-      best=""; best_ms=""; default_ms=""
-      for v in "" "LORASERVE_ATTN_SPLIT_BUDGET=512" "LORASERVE_ATTN_SPLIT_BUDGET=1024" "LORASERVE_ATTN_STAGES=3" \
-               "LORASERVE_ATTN_BLOCK_N=64 LORASERVE_ATTN_STAGES=3" \
-               "LORASERVE_ATTN_BLOCK_N=64 LORASERVE_ATTN_STAGES=4 LORASERVE_ATTN_SPLIT_BUDGET=512"; do
-        tag=$(echo "${v:-default}" | sed 's/LORASERVE_ATTN_//g' | tr ' =' '_-')
-        env $v timeout 80 python3 bench/decode.py --ranks 16 --batches 32 --adapters 32 --sections forward \
-          --out "$OUT/attn_$tag.json" 2>&1 | quiet >"$OUT/attn_$tag.log"
-        ms=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(' '.join('%s=%.3f' % (r['mode'], r['gpu_ms']) for r in d['forward']))" "$OUT/attn_$tag.json" 2>/dev/null)
-        plain=$(echo "$ms" | tr ' ' '\n' | sed -n 's/^plain=//p')
-        echo "attnvar ${v:-default}: $ms"
-        [ -z "$v" ] && default_ms=$plain
-        if [ -n "$plain" ] && [ -n "$default_ms" ] && python3 -c "import sys; a, b, d = map(float, sys.argv[1:]); sys.exit(0 if a < min(b, 0.99 * d) else 1)" "$plain" "${best_ms:-$default_ms}" "$default_ms"; then
-          best_ms=$plain; best="$v"
-        fi
-      done
-      echo "attnvar best: ${best:-default} (${best_ms:-$default_ms} ms)"
-      if [ -n "$best" ]; then export $best; fi ;;
+    ab)  # launch settings A/B'd in the whole forward (bench/forward_ab.py); the winner is exported for later steps
+      mapfile -t variants <<<"${AB_VARIANTS:-$DEFAULT_AB}"
+      timeout 300 python3 bench/forward_ab.py --out-dir "$OUT" --env-out "$OUT/best.env" "${variants[@]}" \
+        >"$OUT/ab.log" 2>&1
+      echo "ab rc $?"; cat "$OUT/ab.log"
+      if [ -s "$OUT/best.env" ]; then . "$OUT/best.env"; echo "exported: $(cat "$OUT/best.env" | tr '\n' ' ')"; fi ;;
     tests)  # point 5
       timeout 240 python3 -m pytest -m gpu tests/engine_ext/gpu -q -p no:cacheprovider $XDIST >"$OUT/gpu_tests.log" 2>&1
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;

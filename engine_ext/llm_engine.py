@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
 import torch
 
@@ -124,6 +125,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         self._fail_orphans()
         if self.speculator is not None:
             touched = self.speculator.step()
@@ -131,7 +133,10 @@ class LLMEngine:
             touched = self.run_plain(self.scheduler.schedule().seqs)
         self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
         self.num_steps += 1
-        return self._emit(touched)
+        outputs = self._emit(touched)
+        if self.speculator is not None:  # the gate prices plain steps and cycles by the whole step
+            self.speculator.step_done(time.perf_counter() - start)
+        return outputs
 
     def run_plain(self, seqs: list[Sequence]) -> list[Sequence]:
         """One adapter-on forward over the scheduled sequences; one new token each."""

@@ -6,13 +6,15 @@ E(a, m) = (1 - a^(m+1)) / (1 - a) tokens (the accepted run plus the target's own
 adapter-on pass per token for plain multi-LoRA decoding. Times are measured, per bucket of
 (tokens in the pass, distinct adapters), as exponential moving averages. A greedy cycle queues all its
 passes before its one host sync, so its passes are timed on the device (PassClock), and the rest of the
-cycle's wall time (host work not hidden behind the device: packing the first pass, the sync, settling the
-tokens) is recorded once per cycle as its "overhead", by batch size. A cycle is predicted at overhead +
-M drafting passes + the verify pass: the overhead is paid once whatever M is, which is what makes longer
+engine step's wall time (host work not hidden behind the device: scheduling, packing the first pass, the
+sync, settling the tokens, the engine's output processing) is recorded once per cycle as its "overhead",
+by batch size. A cycle is predicted at overhead + M drafting passes + the verify pass: the overhead is paid once whatever M is, which is what makes longer
 cycles cheaper per token. (Spreading it over the passes in proportion to their device time, as an earlier
-version did, charged it M times over and made every M look alike.) Plain steps are timed by wall clock,
-their own host work included. A sampled cycle syncs after every pass, so its passes are timed by wall
-clock one by one and it records no overhead.
+version did, charged it M times over and made every M look alike.) Plain steps are timed by the wall
+clock of the whole engine step, their scheduling and output processing included (paid per token, where a
+cycle pays them once: leaving them out made plain look up to a third cheaper than it is at batch 32 on the
+H200). A sampled cycle syncs after every pass, so its passes are timed by wall clock one by one, and the
+rest of its step is its overhead.
 """
 
 from __future__ import annotations

@@ -73,6 +73,9 @@ class Speculator:
         self.greedy_cycles = 0  # cycles that took the one-sync path
         self._capture_pending = False  # this step may capture the runner's CUDA graphs (see _record)
         self._reserve = True  # reserve drafting room at the next schedule (see step)
+        # What this step records for the gate once the engine reports the whole step's wall time (step_done):
+        # (kind, tokens, adapters, seconds of it already recorded as passes)
+        self._pending: tuple[str, int, int, float] | None = None
 
     # ------------------------------------------------------------ one engine step
     def step(self) -> list[Sequence]:
@@ -108,15 +111,24 @@ class Speculator:
             for name in set(names):
                 self.gate.adapter(name).idle_steps += 1
             prefill_tokens = sum(s.num_tokens - s.num_computed for s in batch.seqs if s.is_prefill)
-            start = time.perf_counter()
             e.run_plain(batch.seqs)
             tokens = len(decoding) + prefill_tokens  # one token per decoding sequence, the prompt for prefills
-            self._record("plain", tokens, len(set(names)), time.perf_counter() - start)
+            self._pending = ("plain", tokens, len(set(names)), 0.0)
         if lookahead:
             for s in batch.seqs:  # give back the lookahead blocks nothing was written to
                 if not s.finished:
                     e.blocks.truncate(s.block_table, s.num_tokens)
         return batch.seqs
+
+    def step_done(self, seconds: float) -> None:
+        """The engine's whole step took `seconds` (scheduling and output processing included, which a plain step
+        pays per token and a cycle once per cycle): a plain step is recorded at that time, a cycle's overhead
+        as what its recorded passes leave of it."""
+        if self._pending is None:
+            return
+        kind, tokens, adapters, passes = self._pending
+        self._pending = None
+        self._record(kind, tokens, adapters, max(0.0, seconds - passes))
 
     def _capturing(self) -> bool:
         """True until the runner's CUDA graphs are captured (on its first forward)."""
@@ -146,6 +158,7 @@ class Speculator:
             return self._greedy_cycle(seqs, lengths, drafters, base_seqs)
         drafts: dict[int, list[int]] = {id(s): [] for s in drafters}
         qs: dict[int, list[torch.Tensor]] = {id(s): [] for s in drafters}
+        passes_wall = 0.0
         for j in range(max(lengths.values(), default=0)):
             active = [s for s in drafters if lengths[id(s)] > j]
             riders = [s for s in base_seqs if not s.finished]
@@ -158,6 +171,7 @@ class Speculator:
             self._propose(active, logits[: len(active)], drafts, qs)
             self._ride(riders, logits[len(active):])
             self._record("base", len(work), 0, time.perf_counter() - start)
+            passes_wall += time.perf_counter() - start
             self.draft_passes += 1
 
         live = [s for s in seqs if not s.finished]
@@ -168,6 +182,7 @@ class Speculator:
         # Time per pass size (prefill tokens included): the cost model compares passes by their token count.
         distinct = len({s.adapter for s in live if s.adapter is not None})
         self._record("lora", sum(len(w.token_ids) for w in work), distinct, time.perf_counter() - start)
+        self._pending = ("overhead", len(seqs), 0, passes_wall + time.perf_counter() - start)
 
     @torch.inference_mode()
     def _greedy_cycle(self, seqs: list[Sequence], lengths: dict[int, int], drafters: list[Sequence],
@@ -177,7 +192,6 @@ class Speculator:
         next pass (and the verify pass) gather their input ids from it. The host reads drafts and verify
         argmaxes once, at the end, and settles exactly as `_cycle` does."""
         e, slots = self.engine, self.engine.adapters.slots
-        start = time.perf_counter()
         passes = max(lengths[id(s)] for s in drafters)
         # Drafting passes per sequence: its draft length; for a rider, every pass unless a length limit comes
         # first. Stops (EOS, stop strings) show only after the sync: a rider that stopped keeps computing to the
@@ -234,13 +248,13 @@ class Speculator:
         drafts = {id(s): [host[at(s, j)] for j in range(lengths[id(s)])] for s in drafters}
         self._settle_all(live, verify, logits, drafts, {}, targets=host[offsets[-1] :])
 
-        # For the gate: each pass's device time, and the rest of the cycle's wall time once (spec_gate's docstring).
-        wall = time.perf_counter() - start
+        # For the gate: each pass's device time, and the rest of the step's wall time once (spec_gate's docstring),
+        # recorded when the engine reports it (step_done).
         for n, span in zip(sizes, spans):
             self._record("base", n, 0, span)
         distinct = len({s.adapter for s in live if s.adapter is not None})
         self._record("lora", sum(len(w.token_ids) for w in verify), distinct, spans[-1])
-        self._record("overhead", len(seqs), 0, max(0.0, wall - sum(spans)))
+        self._pending = ("overhead", len(seqs), 0, sum(spans))
 
     def _settle_all(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict,
                     targets: list[int] | None = None):

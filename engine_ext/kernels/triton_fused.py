@@ -4,9 +4,9 @@ with the batched LoRA math folded in where a kernel already holds the tensor it 
 At small batches a decode step is bound by the number of kernels, not by bytes: the plain-torch
 layer (model.TorchOps) runs about 36 small kernels per layer for the norms, the rotary embedding,
 the KV-cache write, SiLU and the residual adds, and a separate shrink and expand launch per LoRA
-module. These kernels do the same work in four launches per layer (plus three for the o and down
-LoRA deltas, which run on a side stream beside the o and down products), rounding where torch rounds (each bf16 operation's result is rounded to bf16 before the
-next one reads it):
+module. These kernels do the same work in four launches per layer (plus two or three for the o and
+down LoRA deltas, which run on a side stream beside the o and down products), rounding where torch
+rounds (each bf16 operation's result is rounded to bf16 before the next one reads it):
 
 - add_rms_norm:  x = x + delta (rounded; with `extra`, delta = delta + extra rounded first: the o or down
                  LoRA delta computed beside its product), h = weight * rms_norm(x); with `lora`, also the shrink
@@ -36,19 +36,27 @@ import triton.language as tl
 from .rounding import rnd as _rnd
 from .triton_lora import expand_delta, lora_delta
 
-_NORM_CHUNK = 128  # K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
+
+def _knob(name: str, default: int) -> int:
+    """A launch setting, overridable as LORASERVE_<name> (bench/gpu_run.sh's forward-level A/B runs)."""
+    return int(os.environ.get("LORASERVE_" + name, default))
+
+
+# K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
+_NORM_CHUNK = _knob("NORM_CHUNK", 128)
 _SILU_BLOCK = 1024  # columns of one silu_mul program
-_SILU_LORA_BLOCK = 512  # ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
+# ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
+_SILU_LORA_BLOCK = _knob("SILU_LORA_BLOCK", 512)
 # Launch settings of the LoRA variants (0: derived from the rank). Measured with bench/fused_sweep.py on the
 # H200 (1B shape, 32 tokens on 32 rank-16 adapters, 16 layers; bench/results/2026-11-29-h200-run8-fused.log):
 # norm+shrink 0.110 -> 0.081 ms at 128-column chunks and 2 warps, rope+expand 0.100 -> 0.077 ms at 1 warp,
 # silu+expand+shrink 0.264 -> 0.208 ms at 512-column blocks (smaller inner steps were slower), and 0.173 ms
 # at 2 warps instead of 4 (a second sweep, run 10: ...-run10-fused.log).
-_SILU_LORA_SB = 0  # columns per inner step of silu_mul with LoRA (its B_gate/B_up/A_down tiles)
-_SILU_LORA_WARPS = 2
-_NORM_LORA_BK = 0  # K columns per inner step of add_rms_norm with LoRA (its A tile)
-_NORM_LORA_WARPS = 2
-_ROPE_LORA_WARPS = 1
+_SILU_LORA_SB = _knob("SILU_LORA_SB", 0)  # columns per inner step of silu_mul with LoRA (its B and A_down tiles)
+_SILU_LORA_WARPS = _knob("SILU_LORA_WARPS", 2)
+_NORM_LORA_BK = _knob("NORM_LORA_BK", 0)  # K columns per inner step of add_rms_norm with LoRA (its A tile)
+_NORM_LORA_WARPS = _knob("NORM_LORA_WARPS", 2)
+_ROPE_LORA_WARPS = _knob("ROPE_LORA_WARPS", 1)
 # The o and down LoRA deltas on a side stream beside their products (0: on the main stream, one after the
 # other, for A/B runs of bench/decode.py).
 SIDE_STREAM = os.environ.get("LORASERVE_SIDE_STREAM", "1") == "1"

@@ -1,6 +1,8 @@
 """The gate: draft lengths from acceptance, a cost model from measured pass times, and decisions
 counted in stats(); drafting off when adapters are far from the base, on when they are close."""
 
+import time
+
 import pytest
 
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
@@ -215,3 +217,29 @@ def test_greedy_cycles_feed_the_per_pass_cost_model(model):
     assert times.get("lora", 16, 1, exact=True) > 0  # verify: 4 x (last + 3 drafts)
     overhead = times.get("overhead", 4, 0, exact=True)  # once per cycle, by batch size
     assert overhead is not None and overhead >= 0
+
+
+@pytest.mark.parametrize("gate_on", [True, False], ids=["gated", "forced"])
+def test_plain_steps_and_cycle_overhead_are_priced_by_the_whole_engine_step(model, gate_on, monkeypatch):
+    """Output processing is paid per plain step but once per cycle: both are timed over the whole engine step
+    (here made 30 ms slower), so a plain step is recorded at no less than that, and so is a cycle's overhead."""
+    path, adapters = model
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=SpecConfig(num_draft_tokens=2,
+                                                                                            gate=gate_on)))
+    engine.add_adapter("close", adapters["close"])
+    emit = engine._emit
+
+    def slow_emit(touched):
+        time.sleep(0.03)
+        return emit(touched)
+
+    monkeypatch.setattr(engine, "_emit", slow_emit)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
+    engine.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
+                    adapter_names=["close"] * 4)
+    times = engine.speculator.gate.times
+    plain = [v for (kind, _, _), v in times._t.items() if kind == "plain"]
+    overhead = [v for (kind, _, _), v in times._t.items() if kind == "overhead"]
+    assert plain and min(plain) >= 0.03  # the prefill step ran plain
+    assert overhead and min(overhead) >= 0.03
+    assert engine.speculator._pending is None
