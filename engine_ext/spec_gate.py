@@ -12,7 +12,7 @@ by batch size. A cycle is predicted at overhead + M drafting passes + the verify
 cycles cheaper per token. (Spreading it over the passes in proportion to their device time, as an earlier
 version did, charged it M times over and made every M look alike.) Plain steps are timed by the wall
 clock of the whole engine step, their scheduling and output processing included (paid per token, where a
-cycle pays them once: leaving them out made plain look up to a third cheaper than it is at batch 32 on the
+cycle pays them once: leaving them out made plain look about 40% cheaper than it is at batch 32 on the
 H200). A sampled cycle syncs after every pass, so its passes are timed by wall clock one by one, and the
 rest of its step is its overhead.
 """
