@@ -57,6 +57,9 @@ _SILU_LORA_WARPS = _knob("SILU_LORA_WARPS", 2)
 _NORM_LORA_BK = _knob("NORM_LORA_BK", 0)  # K columns per inner step of add_rms_norm with LoRA (its A tile)
 _NORM_LORA_WARPS = _knob("NORM_LORA_WARPS", 2)
 _ROPE_LORA_WARPS = _knob("ROPE_LORA_WARPS", 1)
+# Loads that depend on nothing computed issued at the kernel's start: the norm's A tile and weight chunk (when
+# one inner step covers its chunk), the rotary kernel's cos/sin rows. Not yet measured (LORASERVE_EARLY_LOADS=1).
+_EARLY_LOADS = _knob("EARLY_LOADS", 0)
 # The o and down LoRA deltas on a side stream beside their products (0: on the main stream, one after the
 # other, for A/B runs of bench/decode.py).
 SIDE_STREAM = os.environ.get("LORASERVE_SIDE_STREAM", "1") == "1"
@@ -75,12 +78,20 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, s
                          stride_r, stride_o,
                          a_ptr, slots_ptr, part_ptr, RT, skip_slot, stride_as, stride_ak, stride_ps, stride_pt,
                          HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr):
+                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, EARLY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     m = offs < N
+    offs_r = tl.arange(0, BLOCK_R)
+    if EARLY:  # one inner step (BK == CHUNK): its slot's A tile and weights, issued before the row's reduction
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        do_lora = slot != skip_slot
+        cols0 = split * CHUNK + tl.arange(0, BK)
+        w0 = tl.load(w_ptr + cols0, mask=cols0 < N, other=0.0).to(tl.float32)
+        a0 = tl.load(a_ptr + slot * stride_as + cols0[:, None] * stride_ak + offs_r[None, :],
+                     mask=(cols0[:, None] < N) & (offs_r[None, :] < RT) & do_lora, other=0.0)
     # rstd over the whole row (every split recomputes it; the row is a few KB)
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
     if HAS_DELTA:
@@ -90,12 +101,12 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, s
         x = _rnd(x.to(tl.float32) + d, dt)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    slot = 0
-    do_lora = False
-    if LORA:
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        do_lora = slot != skip_slot
-    offs_r = tl.arange(0, BLOCK_R)
+    if not EARLY:
+        slot = 0
+        do_lora = False
+        if LORA:
+            slot = tl.load(slots_ptr + row).to(tl.int64)
+            do_lora = slot != skip_slot
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for kk in range(0, CHUNK, BK):
         cols = split * CHUNK + kk + tl.arange(0, BK)
@@ -107,12 +118,18 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, s
                 dc = _rnd(dc + tl.load(e_ptr + row * stride_e + cols, mask=mc, other=0.0), dt)
             xc = (xc.to(tl.float32) + dc).to(dt)
             tl.store(res_ptr + row * stride_r + cols, xc, mask=mc)
-        wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
+        if EARLY:
+            wc = w0
+        else:
+            wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
         h = (wc * _rnd(xc.to(tl.float32) * rstd, dt)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, h, mask=mc)
         if do_lora:
-            av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
-                         mask=mc[:, None] & (offs_r[None, :] < RT), other=0.0)
+            if EARLY:
+                av = a0
+            else:
+                av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
+                             mask=mc[:, None] & (offs_r[None, :] < RT), other=0.0)
             acc += tl.sum(h.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
     if do_lora:
         tl.store(part_ptr + split * stride_ps + row * stride_pt + offs_r, acc, mask=offs_r < RT)
@@ -151,7 +168,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None, BLOCK=block,
-            CHUNK=chunk, BK=bk, BLOCK_R=block_r,
+            CHUNK=chunk, BK=bk, BLOCK_R=block_r, EARLY=bool(_EARLY_LOADS) and lora is not None and bk == chunk,
             num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
@@ -185,12 +202,17 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
                           part_ptr, b_ptr, scale_ptr, lslots_ptr, R, num_splits, skip_slot,
                           stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
                           PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                          SPLITS: tl.constexpr):
+                          SPLITS: tl.constexpr, EARLY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF)
     src = qkv_ptr + t * stride_t + h * (2 * HALF)
     dt = qkv_ptr.dtype.element_ty
+    if EARLY:  # the cos/sin rows with the head's own loads, not after the LoRA math
+        c1 = tl.load(cos_ptr + t * stride_c + offs).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_c + HALF + offs).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_s + offs).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * stride_s + HALF + offs).to(tl.float32)
     x1 = tl.load(src + offs)
     x2 = tl.load(src + HALF + offs)
     if LORA:
@@ -206,10 +228,11 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
             x2 = (x2.to(tl.float32) + d2).to(dt)
     if h < num_heads + num_kv_heads:
         # torch: x * cos + cat(-x2, x1) * sin, every product and the sum rounded to the model dtype
-        c1 = tl.load(cos_ptr + t * stride_c + offs).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * stride_c + HALF + offs).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * stride_s + offs).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * stride_s + HALF + offs).to(tl.float32)
+        if not EARLY:
+            c1 = tl.load(cos_ptr + t * stride_c + offs).to(tl.float32)
+            c2 = tl.load(cos_ptr + t * stride_c + HALF + offs).to(tl.float32)
+            s1 = tl.load(sin_ptr + t * stride_s + offs).to(tl.float32)
+            s2 = tl.load(sin_ptr + t * stride_s + HALF + offs).to(tl.float32)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (_rnd(f1 * c1, dt) + _rnd(-f2 * s1, dt)).to(dt)
         o2 = (_rnd(f2 * c2, dt) + _rnd(f1 * s2, dt)).to(dt)
@@ -256,7 +279,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), num_warps=1 if lora is None else _ROPE_LORA_WARPS)
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), EARLY=bool(_EARLY_LOADS),
+            num_warps=1 if lora is None else _ROPE_LORA_WARPS)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 

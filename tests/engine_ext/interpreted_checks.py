@@ -64,7 +64,14 @@ def attention():
 
 
 def fused():
+    for early in (0, 1):  # the launch knob that issues independent loads first (LORASERVE_EARLY_LOADS)
+        _fused(early)
+
+
+def _fused(early):
     from engine_ext.kernels import triton_fused as tf
+
+    tf._EARLY_LOADS = early
     from engine_ext.kernels.triton_lora import lora_expand
     from engine_ext.model import TorchOps
     from engine_ext.rope import cos_sin
