@@ -4,7 +4,7 @@ with the batched LoRA math folded in where a kernel already holds the tensor it 
 At small batches a decode step is bound by the number of kernels, not by bytes: the plain-torch
 layer (model.TorchOps) runs about 36 small kernels per layer for the norms, the rotary embedding,
 the KV-cache write, SiLU and the residual adds, and a separate shrink and expand launch per LoRA
-module. These kernels do the same work in four launches per layer (plus two or three for the o and
+module. These kernels do the same work in four launches per layer (plus three for the o and
 down LoRA deltas, which run on a side stream beside the o and down products), rounding where torch
 rounds (each bf16 operation's result is rounded to bf16 before the next one reads it):
 

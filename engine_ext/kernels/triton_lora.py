@@ -33,9 +33,6 @@ _BLOCK_T = 16  # tokens of one run handled together (the smallest tensor-core ti
 _EXPAND_BLOCK_N = int(os.environ.get("LORASERVE_EXPAND_BLOCK_N", "0"))
 _EXPAND_WARPS = int(os.environ.get("LORASERVE_EXPAND_WARPS", "4"))
 _SHRINK_WARPS = int(os.environ.get("LORASERVE_SHRINK_WARPS", "4"))
-# lora_delta in one launch (_delta_kernel: every column block recomputes its run's shrink over the whole K)
-# instead of a split shrink and an expand. Off unless LORASERVE_FUSED_DELTA=1 (an A/B of bench/gpu_run.sh).
-FUSED_DELTA = os.environ.get("LORASERVE_FUSED_DELTA", "0") == "1"
 
 
 @triton.jit
@@ -125,47 +122,6 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_sp
             tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _delta_kernel(x_ptr, a_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, K, N, R, skip_slot,
-                  stride_xt, stride_as, stride_ak, stride_bs, stride_br, stride_ss, stride_yt,
-                  BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """y[run, column block nb] = ((x[run] @ A[slot]) * scale[slot]).to(B's dtype) @ B[slot, :, block] in float32;
-    zeros on the skip slot. Grid (T, column blocks); non-leaders return at once."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
-    if leader:
-        live = slot != skip_slot
-        offs_r = tl.arange(0, BLOCK_R)
-        mr = (offs_r < R) & live
-        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-        if live:
-            a_base = a_ptr + slot * stride_as
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mk = offs_k < K
-                xv = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
-                             mask=rows[:, None] & mk[None, :], other=0.0)
-                av = tl.load(a_base + offs_k[:, None] * stride_ak + offs_r[None, :],
-                             mask=mk[:, None] & mr[None, :], other=0.0)
-                if IEEE:
-                    acc += tl.dot(xv, av, input_precision="ieee")
-                else:
-                    acc += tl.dot(xv, av)
-        s = acc * tl.load(scale_ptr + slot * stride_ss).to(tl.float32)
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        mn = offs_n < N
-        bv = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :],
-                     mask=mr[:, None] & mn[None, :], other=0.0)
-        if IEEE:
-            delta = tl.dot(s, bv, input_precision="ieee")
-        else:
-            delta = tl.dot(s.to(bv.dtype), bv)
-        tl.store(y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :], delta,
-                 mask=rows[:, None] & mn[None, :])
-
-
 def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
     """(BLOCK_R, the other tile side) with about `budget` fp32 elements per tile (64 registers a thread)."""
     block_r = max(16, triton.next_power_of_2(rank))
@@ -232,21 +188,7 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.T
     """(x[t] @ A[slot[t]]) @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32 (the rank-space product rounded
     to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it."""
     _check(x, x, a, b)
-    if not FUSED_DELTA:
-        return expand_delta(lora_shrink(x, a, slots, a.shape[0] - 1), b, scale, slots)
-    num_tokens, fan_in = x.shape
-    rank, fan_out = b.shape[1], b.shape[2]
-    out = torch.empty(num_tokens, fan_out, dtype=torch.float32, device=x.device)
-    block_r, block_k = _tile(rank)
-    block_n = min(block_k, triton.next_power_of_2(fan_out))
-    block_k = min(block_k, triton.next_power_of_2(fan_in))
-    if num_tokens:
-        _delta_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
-            x, a, b, scale, slots, out, num_tokens, fan_in, fan_out, rank, a.shape[0] - 1,
-            x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1), scale.stride(0), out.stride(0),
-            BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
-            num_warps=_SHRINK_WARPS)
-    return out
+    return expand_delta(lora_shrink(x, a, slots, a.shape[0] - 1), b, scale, slots)
 
 
 def _check(y, x, a, b) -> None:

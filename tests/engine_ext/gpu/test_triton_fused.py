@@ -145,15 +145,11 @@ def test_group_op_is_registered_with_the_triton_backend():
 
 
 # ---------------------------------------------------------------- LoRA folded into the element-wise kernels
-@pytest.mark.parametrize("fused", [False, True], ids=["split", "one-launch"])
-def test_o_delta_on_the_side_stream_equals_the_in_place_op(fused, monkeypatch):
-    """lora_delta (shrink + store-mode expand, or the one-launch kernel; float32) on a SideBranch, joined,
-    then added to the base output: add_lora_triton's result, in and out of a CUDA graph."""
-    from engine_ext.kernels import triton_lora
+def test_o_delta_on_the_side_stream_equals_the_in_place_op():
+    """lora_delta (shrink + store-mode expand, float32) on a SideBranch, joined, then added to the base
+    output: add_lora_triton's result, in and out of a CUDA graph."""
     from engine_ext.kernels.triton_fused import side_branch
     from engine_ext.kernels.triton_lora import add_lora_triton, lora_delta
-
-    monkeypatch.setattr(triton_lora, "FUSED_DELTA", fused)
 
     g = _gen(7)
     tokens, hidden, rank, num_slots, dtype = 32, 2048, 16, 9, torch.bfloat16
@@ -175,11 +171,7 @@ def test_o_delta_on_the_side_stream_equals_the_in_place_op(fused, monkeypatch):
         return (base.float() + delta).to(dtype)
 
     eager = forward()
-    if fused:  # its shrink sums K in another order: a row's rank vector may round differently
-        delta_ref = ref.double() - y0.double()
-        assert ((eager.double() - ref.double()).norm() / delta_ref.norm()).item() < 1e-2
-    else:
-        _agree(eager, ref, dtype)
+    _agree(eager, ref, dtype)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
