@@ -3,18 +3,18 @@
 A cycle that drafts m tokens for a sequence whose drafts are accepted with probability a yields
 E(a, m) = (1 - a^(m+1)) / (1 - a) tokens (the accepted run plus the target's own token). It costs
 `max m` base-only passes plus one adapter-on verify pass over sum(m + 1) tokens, against one
-adapter-on pass per token for plain multi-LoRA decoding. Times are measured, per bucket of
-(tokens in the pass, distinct adapters), as exponential moving averages. A greedy cycle queues all its
-passes before its one host sync, so its passes are timed on the device (PassClock), and the rest of the
-engine step's wall time (host work not hidden behind the device: scheduling, packing the first pass, the
-sync, settling the tokens, the engine's output processing) is recorded once per cycle as its "overhead",
-by batch size. A cycle is predicted at overhead + M drafting passes + the verify pass: the overhead is paid once whatever M is, which is what makes longer
-cycles cheaper per token. (Spreading it over the passes in proportion to their device time, as an earlier
-version did, charged it M times over and made every M look alike.) Plain steps are timed by the wall
-clock of the whole engine step, their scheduling and output processing included (paid per token, where a
-cycle pays them once: leaving them out made plain look about 40% cheaper than it is at batch 32 on the
-H200). A sampled cycle syncs after every pass, so its passes are timed by wall clock one by one, and the
-rest of its step is its overhead.
+adapter-on pass per token for plain multi-LoRA decoding. Times are measured, per bucket of (tokens in
+the pass, distinct adapters), as exponential moving averages. A greedy cycle queues all its passes
+before its one host sync, so its passes are timed on the device (PassClock), and the rest of the
+engine step's wall time (host work not hidden behind the device: scheduling, packing the first pass,
+the sync, settling the tokens, the engine's output processing) is recorded once per cycle as its
+"overhead", by batch size. A cycle is predicted at overhead + M drafting passes + the verify pass: the
+overhead is paid once whatever M is, which is what makes longer cycles cheaper per token. (Spreading it
+over the passes in proportion to their device time, as an earlier version did, charged it M times over
+and made every M look alike.) Plain steps are timed by the wall clock of the whole engine step, their
+scheduling and output processing included (paid per token, where a cycle pays them once: leaving them
+out made plain look about 40% cheaper than it is at batch 32 on the H200). A sampled cycle syncs after
+every pass, so its passes are timed by wall clock one by one, and the rest of its step is its overhead.
 """
 
 from __future__ import annotations
@@ -226,18 +226,18 @@ class Gate:
         False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them."""
         batch, distinct = len(adapters) + num_base, len(set(adapters))
         if not self.cfg.gate:
-            self._count("speculate_forced" if any(lengths) else "plain_nothing_to_draft", "gate disabled")
+            self.count("speculate_forced" if any(lengths) else "plain_nothing_to_draft", "gate disabled")
             return any(lengths)
         if not any(lengths):
             if caps is not None and not any(caps):
-                self._count("plain_nothing_to_draft", "every sequence is one token from its end")
+                self.count("plain_nothing_to_draft", "every sequence is one token from its end")
             elif all(self.adapter(a).ema < self.cfg.min_acceptance for a in adapters):
-                self._count("plain_low_acceptance", "every adapter's acceptance is below the drafting threshold")
+                self.count("plain_low_acceptance", "every adapter's acceptance is below the drafting threshold")
             else:
-                self._count("plain_cost", "no draft length repays its base passes at the measured costs")
+                self.count("plain_cost", "no draft length repays its base passes at the measured costs")
             return False
         if self.probe_interval and self.plain_streak >= self.probe_interval:
-            self._count("speculate_probe", f"{self.plain_streak} plain steps in a row: re-measure drafting")
+            self.count("speculate_probe", f"{self.plain_streak} plain steps in a row: re-measure drafting")
             return True
         # Plain steps are their own kind: pricing plain at the nearest adapter-on pass (usually a larger verify
         # pass) would make it look slower than it is, and speculation would then never measure plain. The
@@ -245,23 +245,20 @@ class Gate:
         t_plain = self.times.get("plain", batch, distinct)
         spec_rate = self.predicted_rate(adapters, lengths, num_base)
         if spec_rate is None:
-            self._count("speculate_explore", "no base-only or adapter-on pass measured yet")
+            self.count("speculate_explore", "no base-only or adapter-on pass measured yet")
             return True
         if t_plain is None:
-            self._count("plain_explore", "plain step time at this batch not measured yet")
+            self.count("plain_explore", "plain step time at this batch not measured yet")
             return False
         plain_rate = (len(lengths) + num_base) / t_plain
         if spec_rate > plain_rate:
-            self._count("speculate", f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
+            self.count("speculate", f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
             return True
-        self._count("plain_cost", f"{spec_rate:.1f} tok/s speculative <= {plain_rate:.1f} tok/s plain")
+        self.count("plain_cost", f"{spec_rate:.1f} tok/s speculative <= {plain_rate:.1f} tok/s plain")
         return False
 
     def count(self, decision: str, why: str) -> None:
-        """Record a decision taken outside decide() (the speculator's gated-off fast path)."""
-        self._count(decision, why)
-
-    def _count(self, decision: str, why: str) -> None:
+        """Record a decision (decide()'s own, and the speculator's gated-off fast path's)."""
         self.decisions[decision] += 1
         if decision == "plain_cost":
             self.recent_plain_cost.append(why)
