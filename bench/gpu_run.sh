@@ -23,10 +23,13 @@ mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
 # The ab step's variants, one per line (AB_VARIANTS overrides). Attention's (run 13), the fused kernels' and the
 # one-launch o delta (run 14) and the split LoRA kernels' (run 16) were A/B'd this way, and the defaults won
-# for plain decode; these are the candidates not yet measured, and the shrink at 2 warps, which made run 16's
-# verify passes 1.3-3.8% faster.
+# for plain decode; these are the candidates not yet measured: independent loads first in the norm/rotary
+# kernels and in silu_mul, the shrink at 2 warps (run 16's verify passes 1.3-3.8% faster), cuBLASLt.
 DEFAULT_AB="LORASERVE_EARLY_LOADS=1
-LORASERVE_SHRINK_WARPS=2"
+LORASERVE_SILU_EARLY=1
+LORASERVE_SILU_EARLY=1 LORASERVE_SILU_LORA_WARPS=4
+LORASERVE_SHRINK_WARPS=2
+LORASERVE_BLAS=cublaslt"
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
 for step in $STEPS; do
@@ -34,7 +37,7 @@ for step in $STEPS; do
   case $step in
     ab)  # launch settings A/B'd in the whole forward (bench/forward_ab.py); the winner is exported for later steps
       mapfile -t variants <<<"${AB_VARIANTS:-$DEFAULT_AB}"
-      timeout 300 python3 bench/forward_ab.py --out-dir "$OUT" --env-out "$OUT/best.env" "${variants[@]}" \
+      timeout 420 python3 bench/forward_ab.py --out-dir "$OUT" --env-out "$OUT/best.env" "${variants[@]}" \
         >"$OUT/ab.log" 2>&1
       echo "ab rc $?"; cat "$OUT/ab.log"
       if [ -s "$OUT/best.env" ]; then . "$OUT/best.env"; echo "exported: $(cat "$OUT/best.env" | tr '\n' ' ')"; fi ;;

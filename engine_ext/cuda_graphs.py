@@ -162,13 +162,13 @@ class DecodeGraphs:
                 and max(len(w.block_table) for w in work) <= self.width)
 
     def run(self, work: list[SeqWork], slots, use_lora: bool) -> torch.Tensor:
-        """Next-token logits [N, vocab] float32, as ModelRunner.run computes them eagerly."""
-        return self.run_async(work, slots, use_lora).clone()
+        """Next-token logits [N, vocab] float32 (a copy), as ModelRunner.run computes them eagerly."""
+        return self.run_async(work, slots, use_lora).to(torch.float32, copy=True)
 
     def run_async(self, work: list[SeqWork], slots, use_lora: bool, tokens: torch.Tensor | None = None,
                   token_src: list[int] | None = None) -> torch.Tensor:
-        """Queue one forward on the current stream, no host sync; returns its logits [N, vocab] float32 as a
-        view of the graph's output. Consume it (or clone it) before queuing the next forward: the next replay
+        """Queue one forward on the current stream, no host sync; returns its logits [N, vocab] in the model's
+        dtype as a view of the graph's output. Consume it (or clone it) before queuing the next forward: the next replay
         of this graph overwrites it, and so may another graph's (the graphs share one memory pool, and a
         graph captured later may have put its output where an earlier one keeps intermediates).
         token_src: see ModelRunner.run_async.

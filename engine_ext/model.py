@@ -113,6 +113,9 @@ class CausalLM(nn.Module):
             torch.empty(spec.vocab_size, spec.hidden_size, **e), requires_grad=False
         )
         self.register_buffer("inv_freq", inv_frequencies(spec.rope, spec.head_dim), persistent=False)
+        # cos/sin [positions, head_dim] for every position a forward may see (build_rope_table); without it each
+        # forward computes its tokens' rows (seven small kernels a step)
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         # The element-wise work between the matrix products (TorchOps; the model runner installs the
         # fused Triton kernels, kernels.triton_fused.TritonOps, with attn_backend "triton").
         self.ops = TorchOps
@@ -148,6 +151,12 @@ class CausalLM(nn.Module):
         if leftovers:
             raise ModelLoadError(f"{model_dir}: weights the engine does not know how to use: {leftovers[:5]}")
 
+    def build_rope_table(self, num_positions: int) -> None:
+        """Precompute cos/sin for positions [0, num_positions): the rotary kernel then reads each token's rows by
+        its position. Element-wise the same computation as per-step cos_sin, so the same bits."""
+        positions = torch.arange(num_positions, device=self.inv_freq.device)
+        self.rope_table = cos_sin(self.inv_freq, positions, self.embed.dtype)
+
     # ---------------------------------------------------------------- forward
     def forward(
         self,
@@ -156,11 +165,14 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,  # [N] rows of the flat token list whose next-token logits are wanted
         lora: LoRABatch | None,
-    ) -> torch.Tensor:  # [N, vocab] float32
+    ) -> torch.Tensor:  # [N, vocab] in the model's dtype (callers upcast where they need float32)
         spec, ops = self.spec, self.ops
         qs, eps = spec.q_size, spec.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
-        cos, sin = cos_sin(self.inv_freq, meta.positions, x.dtype)
+        if self.rope_table is not None:  # rows looked up by position inside the rotary op
+            (cos, sin), positions = self.rope_table, meta.positions
+        else:
+            (cos, sin), positions = cos_sin(self.inv_freq, meta.positions, x.dtype), None
         scale = spec.head_dim**-0.5
         delta = None  # the previous sub-block's output, not yet added to the residual stream x
         extra = None  # ... and its LoRA delta (float32), when the fused path computed it beside the product
@@ -179,7 +191,7 @@ class CausalLM(nn.Module):
                 lora.add_group(i, "qkv", qkv, h)
             k_cache, v_cache = kv_caches[i]
             q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
-                                  spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None)
+                                  spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None, positions)
             attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
             if fuse:
                 with branch:
@@ -203,9 +215,9 @@ class CausalLM(nn.Module):
                 branch.join()
             elif lora is not None:
                 lora.add_group(i, "down", delta, act)
-        rows = logits_indices
-        _, x, _ = ops.add_rms_norm(x[rows], delta[rows], self.norm, eps, None, None if extra is None else extra[rows])
-        return ops.linear(x, self.lm_head).float()
+        # the final norm reads only the rows whose logits are wanted
+        _, x, _ = ops.add_rms_norm(x, delta, self.norm, eps, None, extra, rows=logits_indices)
+        return ops.linear(x, self.lm_head)
 
 
 class TorchOps:
@@ -217,7 +229,10 @@ class TorchOps:
     linear = staticmethod(F.linear)
 
     @staticmethod
-    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None):
+    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None):
+        if rows is not None:
+            x, delta = x[rows], None if delta is None else delta[rows]
+            extra = None if extra is None else extra[rows]
         if extra is not None:  # float32, beside delta (see kernels/triton_fused.add_rms_norm)
             delta = (delta.float() + extra).to(delta.dtype)
         if delta is not None:
@@ -225,7 +240,10 @@ class TorchOps:
         return x, rms_norm(x, weight, eps), None
 
     @staticmethod
-    def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None):
+    def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
+                      positions=None):
+        if positions is not None:  # cos/sin are tables over positions
+            cos, sin = cos[positions], sin[positions]
         d = k_cache.shape[-1]
         qs, kvs = num_heads * d, num_kv_heads * d
         q = apply_rope(qkv[:, :qs].view(-1, num_heads, d), cos, sin)

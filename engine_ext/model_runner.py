@@ -38,6 +38,10 @@ class ModelRunner:
             self.model = CausalLM(spec, config.torch_dtype)
         self.model.load_weights(config.model)
         self.model.eval()
+        max_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
+        lookahead = config.speculative.num_draft_tokens if config.speculative else 0
+        self.max_positions = max_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
+        self.model.build_rope_table(self.max_positions)
         self.num_blocks = _kv_blocks(config, spec, device)
         # With CUDA graphs one extra block, never handed out, takes the KV of padding tokens.
         shape = (self.num_blocks + int(config.cuda_graphs), config.block_size, spec.num_kv_heads, spec.head_dim)
@@ -68,7 +72,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(work):
             logits = self.graphs.run(work, slots, use_lora)
         else:
-            logits = self._run_eager(work, slots, use_lora)
+            logits = self._run_eager(work, slots, use_lora).float()
         slots.flush()
         return logits
 
@@ -80,8 +84,9 @@ class ModelRunner:
 
         token_src: None, or one entry per token of the flat token list (work order); where >= 0, that token's
         input id is tokens[token_src[t]] ([M] long, on the device), read when the forward runs, so it may be
-        the output of a forward still queued; its id in `work` is then a placeholder. The logits may be a view
-        of a graph's output buffer: consume or clone them before queuing the next forward."""
+        the output of a forward still queued; its id in `work` is then a placeholder. The logits are in the
+        model's dtype (argmax needs no float32 copy) and may be a view of a graph's output buffer: consume or
+        clone them before queuing the next forward."""
         if self.graphs is not None and self.graphs.fits(work):
             logits = self.graphs.run_async(work, slots, use_lora, tokens, token_src)
         else:
@@ -106,10 +111,8 @@ class ModelRunner:
         """CUDA graphs for forwards of up to max_graph_tokens tokens (captured on first use)."""
         from .cuda_graphs import DecodeGraphs
 
-        cfg, spec = self.config, self.spec
-        max_len = min(cfg.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        lookahead = cfg.speculative.num_draft_tokens if cfg.speculative else 0
-        width = -(-(max_len + lookahead + 1) // cfg.block_size)
+        cfg = self.config
+        width = -(-self.max_positions // cfg.block_size)
         return DecodeGraphs(self.model, self.kv_caches, self.lora_op, self.attn_kernel, cfg.block_size, width,
                             scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device,
                             group_lora_op=self.group_lora_op)

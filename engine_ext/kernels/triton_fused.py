@@ -60,6 +60,9 @@ _ROPE_LORA_WARPS = _knob("ROPE_LORA_WARPS", 1)
 # Loads that depend on nothing computed issued at the kernel's start: the norm's A tile and weight chunk (when
 # one inner step covers its chunk), the rotary kernel's cos/sin rows. Not yet measured (LORASERVE_EARLY_LOADS=1).
 _EARLY_LOADS = _knob("EARLY_LOADS", 0)
+# ... and silu_mul's B and A_down tiles (when one inner step covers its block), ahead of the shrink partials'
+# sum (LORASERVE_SILU_EARLY=1, not yet measured)
+_SILU_EARLY = _knob("SILU_EARLY", 0)
 # The o and down LoRA deltas on a side stream beside their products (0: on the main stream, one after the
 # other, for A/B runs of bench/decode.py).
 SIDE_STREAM = os.environ.get("LORASERVE_SIDE_STREAM", "1") == "1"
@@ -74,12 +77,16 @@ def _rank_block(r: int) -> int:
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, stride_x, stride_d, stride_e,
-                         stride_r, stride_o,
+def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr, N, eps, stride_x, stride_d,
+                         stride_e, stride_r, stride_o,
                          a_ptr, slots_ptr, part_ptr, RT, skip_slot, stride_as, stride_ak, stride_ps, stride_pt,
                          HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, EARLY: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, EARLY: tl.constexpr,
+                         ROWS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # the output row (and, without ROWS, the input row)
+    src_row = row
+    if ROWS:  # the input row the output row reads
+        src_row = tl.load(rows_ptr + row).to(tl.int64)
     split = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
@@ -93,11 +100,11 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, s
         a0 = tl.load(a_ptr + slot * stride_as + cols0[:, None] * stride_ak + offs_r[None, :],
                      mask=(cols0[:, None] < N) & (offs_r[None, :] < RT) & do_lora, other=0.0)
     # rstd over the whole row (every split recomputes it; the row is a few KB)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0)
+    x = tl.load(x_ptr + src_row * stride_x + offs, mask=m, other=0.0)
     if HAS_DELTA:
-        d = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + src_row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_EXTRA:
-            d = _rnd(d + tl.load(e_ptr + row * stride_e + offs, mask=m, other=0.0), dt)
+            d = _rnd(d + tl.load(e_ptr + src_row * stride_e + offs, mask=m, other=0.0), dt)
         x = _rnd(x.to(tl.float32) + d, dt)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
@@ -111,12 +118,13 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, s
     for kk in range(0, CHUNK, BK):
         cols = split * CHUNK + kk + tl.arange(0, BK)
         mc = cols < N
-        xc = tl.load(x_ptr + row * stride_x + cols, mask=mc, other=0.0)
+        xc = tl.load(x_ptr + src_row * stride_x + cols, mask=mc, other=0.0)
         if HAS_DELTA:
-            dc = tl.load(d_ptr + row * stride_d + cols, mask=mc, other=0.0).to(tl.float32)
+            dc = tl.load(d_ptr + src_row * stride_d + cols, mask=mc, other=0.0).to(tl.float32)
             if HAS_EXTRA:
-                dc = _rnd(dc + tl.load(e_ptr + row * stride_e + cols, mask=mc, other=0.0), dt)
+                dc = _rnd(dc + tl.load(e_ptr + src_row * stride_e + cols, mask=mc, other=0.0), dt)
             xc = (xc.to(tl.float32) + dc).to(dt)
+        if HAS_DELTA or ROWS:
             tl.store(res_ptr + row * stride_r + cols, xc, mask=mc)
         if EARLY:
             wc = w0
@@ -136,18 +144,27 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, N, eps, s
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, lora=None,
-                 extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 extra: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(x + delta, weight * rms_norm(x + delta), LoRA shrink partials or None); with delta None, x itself.
 
     `lora`: (A [S, N, RT], slots [T]): also part[s, t] = h[t, chunk s] @ A[slot[t], chunk s].
-    `extra` (float32 [T, N], needs delta): delta + extra, rounded to x's dtype, is what is added to x."""
-    num_tokens, n = x.shape
+    `extra` (float32 [T, N], needs delta): delta + extra, rounded to x's dtype, is what is added to x.
+    `rows` (integer [M], without lora): only those rows, in that order (x[rows], delta[rows], extra[rows]
+    without the gathers); the results then have M rows."""
+    n = x.shape[1]
     if extra is not None and (delta is None or extra.shape != x.shape or extra.dtype != torch.float32
                               or extra.stride(1) != 1):
         raise ValueError(f"add_rms_norm: extra must be float32 {tuple(x.shape)} beside a delta, "
                          f"got {None if extra is None else (tuple(extra.shape), extra.dtype)}")
-    out = torch.empty_like(x)
-    res = torch.empty_like(x) if delta is not None else x
+    if rows is not None and lora is not None:
+        raise ValueError("add_rms_norm: rows and lora do not go together")
+    num_tokens = x.shape[0] if rows is None else rows.shape[0]
+    out = x.new_empty(num_tokens, n)
+    if rows is not None:
+        res = x.new_empty(num_tokens, n)  # x[rows] (+ delta[rows]), as the row gathers would give it
+    else:
+        res = torch.empty_like(x) if delta is not None else x
     block = triton.next_power_of_2(n)
     splits = triton.cdiv(n, _NORM_CHUNK) if lora is not None else 1
     chunk = _NORM_CHUNK if lora is not None else block
@@ -164,11 +181,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         lora_args = (x, x, x, 0, 0, 0, 0, 0, 0)
     if num_tokens:
         _add_rms_norm_kernel[(num_tokens, splits)](
-            x, delta if delta is not None else x, extra if extra is not None else x, weight, res, out, n, eps,
+            x, delta if delta is not None else x, extra if extra is not None else x, weight, res, out,
+            rows if rows is not None else x, n, eps,
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
-            HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None, BLOCK=block,
-            CHUNK=chunk, BK=bk, BLOCK_R=block_r, EARLY=bool(_EARLY_LOADS) and lora is not None and bk == chunk,
+            HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None,
+            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r,
+            EARLY=bool(_EARLY_LOADS) and lora is not None and bk == chunk, ROWS=rows is not None,
             num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
@@ -197,22 +216,25 @@ def _expand_row(s, b_ptr, slot, R, col0, col_end, stride_bs, stride_br, NCOL: tl
 
 
 @triton.jit
-def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num_heads, num_kv_heads,
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot_ptr, num_heads, num_kv_heads,
                           stride_t, stride_c, stride_s, stride_kb, stride_ks, stride_kh,
                           part_ptr, b_ptr, scale_ptr, lslots_ptr, R, num_splits, skip_slot,
                           stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
                           PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                          SPLITS: tl.constexpr, EARLY: tl.constexpr):
+                          SPLITS: tl.constexpr, EARLY: tl.constexpr, POS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    cs = t  # the token's row of cos/sin: its own, or with POS (tables over positions) its position's
+    if POS:
+        cs = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, HALF)
     src = qkv_ptr + t * stride_t + h * (2 * HALF)
     dt = qkv_ptr.dtype.element_ty
     if EARLY:  # the cos/sin rows with the head's own loads, not after the LoRA math
-        c1 = tl.load(cos_ptr + t * stride_c + offs).to(tl.float32)
-        c2 = tl.load(cos_ptr + t * stride_c + HALF + offs).to(tl.float32)
-        s1 = tl.load(sin_ptr + t * stride_s + offs).to(tl.float32)
-        s2 = tl.load(sin_ptr + t * stride_s + HALF + offs).to(tl.float32)
+        c1 = tl.load(cos_ptr + cs * stride_c + offs).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs * stride_c + HALF + offs).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs * stride_s + offs).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs * stride_s + HALF + offs).to(tl.float32)
     x1 = tl.load(src + offs)
     x2 = tl.load(src + HALF + offs)
     if LORA:
@@ -229,10 +251,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
     if h < num_heads + num_kv_heads:
         # torch: x * cos + cat(-x2, x1) * sin, every product and the sum rounded to the model dtype
         if not EARLY:
-            c1 = tl.load(cos_ptr + t * stride_c + offs).to(tl.float32)
-            c2 = tl.load(cos_ptr + t * stride_c + HALF + offs).to(tl.float32)
-            s1 = tl.load(sin_ptr + t * stride_s + offs).to(tl.float32)
-            s2 = tl.load(sin_ptr + t * stride_s + HALF + offs).to(tl.float32)
+            c1 = tl.load(cos_ptr + cs * stride_c + offs).to(tl.float32)
+            c2 = tl.load(cos_ptr + cs * stride_c + HALF + offs).to(tl.float32)
+            s1 = tl.load(sin_ptr + cs * stride_s + offs).to(tl.float32)
+            s2 = tl.load(sin_ptr + cs * stride_s + HALF + offs).to(tl.float32)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (_rnd(f1 * c1, dt) + _rnd(-f2 * s1, dt)).to(dt)
         o2 = (_rnd(f2 * c2, dt) + _rnd(f1 * s2, dt)).to(dt)
@@ -254,9 +276,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, num
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  lora=None) -> torch.Tensor:
+                  lora=None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate q and k of the fused [T, (H + 2 KVH) * D] qkv output, write k and v into the paged cache at
-    `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place).
+    `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place). cos/sin are [T, D], or with
+    `positions` [T] tables over positions ([P, D], P above every position; CausalLM.build_rope_table).
 
     `lora`: (part [splits, T, 3R] from add_rms_norm, B [S, R, qkv width], scale [S, 3], slots [T]): the
     q/k/v LoRA deltas are added first (to the q columns of qkv too)."""
@@ -276,10 +299,10 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         lora_args, block_r = (qkv, qkv, qkv, qkv, 0, 0, 0, 0, 0, 0, 0, 0), 1
     if num_tokens:
         _rope_write_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+            qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), EARLY=bool(_EARLY_LOADS),
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), EARLY=bool(_EARLY_LOADS), POS=positions is not None,
             num_warps=1 if lora is None else _ROPE_LORA_WARPS)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
@@ -289,7 +312,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, R, num_splits, R2, skip_slot,
                      stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
                      stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr):
+                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, EARLY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -298,7 +321,17 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
     if LORA:
         slot = tl.load(slots_ptr + row).to(tl.int64)
         do_lora = slot != skip_slot
+    offs_r = tl.arange(0, BLOCK_R)
     offs_r2 = tl.arange(0, BLOCK_R2)
+    if EARLY:  # one inner step (SB == BLOCK): the slot's B and A_down tiles issued before the shrink sums
+        cols0 = nb * BLOCK + tl.arange(0, SB)
+        m0 = cols0 < N
+        bg0 = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + cols0[None, :],
+                      mask=(offs_r[:, None] < R) & m0[None, :] & do_lora, other=0.0)
+        bu0 = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + N + cols0[None, :],
+                      mask=(offs_r[:, None] < R) & m0[None, :] & do_lora, other=0.0)
+        av0 = tl.load(a_ptr + slot * stride_as + cols0[:, None] * stride_ak + offs_r2[None, :],
+                      mask=m0[:, None] & (offs_r2[None, :] < R2) & do_lora, other=0.0)
     dacc = tl.zeros([BLOCK_R2], dtype=tl.float32)
     sg = tl.zeros([BLOCK_R], dtype=tl.float32)
     su = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -313,16 +346,23 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
         u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0)
         if do_lora:
-            dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
-            du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
+            if EARLY:
+                dg = tl.sum(sg[:, None] * bg0.to(tl.float32), axis=0)
+                du = tl.sum(su[:, None] * bu0.to(tl.float32), axis=0)
+            else:
+                dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
+                du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
             g = (g.to(tl.float32) + dg).to(dt)
             u = (u.to(tl.float32) + du).to(dt)
         gf = g.to(tl.float32)
         act = (_rnd(gf / (1.0 + tl.exp(-gf)), dt) * u.to(tl.float32)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, act, mask=m)
         if do_lora:
-            av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],
-                         mask=m[:, None] & (offs_r2[None, :] < R2), other=0.0)
+            if EARLY:
+                av = av0
+            else:
+                av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],
+                             mask=m[:, None] & (offs_r2[None, :] < R2), other=0.0)
             dacc += tl.sum(act.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
     if do_lora:
         tl.store(dpart_ptr + nb * stride_ds + row * stride_dt + offs_r2, dacc, mask=offs_r2 < R2)
@@ -359,6 +399,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
+                                                EARLY=bool(_SILU_EARLY) and lora is not None and sb == block,
                                                 num_warps=_SILU_LORA_WARPS if lora is not None else 4)
     return out, dpart
 

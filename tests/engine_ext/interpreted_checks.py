@@ -64,14 +64,15 @@ def attention():
 
 
 def fused():
-    for early in (0, 1):  # the launch knob that issues independent loads first (LORASERVE_EARLY_LOADS)
+    # the launch knobs that issue independent loads first (LORASERVE_EARLY_LOADS, LORASERVE_SILU_EARLY)
+    for early in (0, 1):
         _fused(early)
 
 
 def _fused(early):
     from engine_ext.kernels import triton_fused as tf
 
-    tf._EARLY_LOADS = early
+    tf._EARLY_LOADS = tf._SILU_EARLY = early
     from engine_ext.kernels.triton_lora import lora_expand
     from engine_ext.model import TorchOps
     from engine_ext.rope import cos_sin
@@ -106,6 +107,13 @@ def _fused(early):
     x3, h3, _ = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq, slots), extra=e)
     _close(x3, x_ref)
     _close(h3, h_ref)
+    rows = torch.tensor([5, 0, 2, 2])  # the final norm on the rows whose logits are wanted
+    x4, h4, _ = tf.add_rms_norm(x.clone(), d, w, 1e-5, extra=e, rows=rows)
+    _close(x4, x_ref[rows])
+    _close(h4, h_ref[rows])
+    x5, h5, _ = tf.add_rms_norm(x.clone(), None, w, 1e-5, rows=rows)
+    _close(x5, x[rows])
+    _close(h5, TorchOps.add_rms_norm(x[rows], None, w, 1e-5)[1])
     qkv = torch.randn(T, qs + 2 * kvs, generator=g)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     cos, sin = cos_sin(inv, torch.tensor([3, 4, 0, 9, 2, 5]), torch.float32)
@@ -117,6 +125,11 @@ def _fused(early):
     _close(q2, q1)
     _close(caches[2], caches[0])
     _close(caches[3], caches[1])
+    table = cos_sin(inv, torch.arange(12), torch.float32)  # cos/sin over positions, read by each token's position
+    caches += [torch.zeros(8, 4, KVH, D) for _ in range(2)]
+    q3 = tf.rope_write_kv(qkv.clone(), *table, caches[4], caches[5], kv_slots, H, KVH, lora=(part, bq, sq, slots),
+                          positions=torch.tensor([3, 4, 0, 9, 2, 5]))
+    assert torch.equal(q3, q2) and torch.equal(caches[4], caches[2]) and torch.equal(caches[5], caches[3])
     _, _, part_g = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(ag, slots))
     gu = torch.randn(T, 2 * inter, generator=g)
     act_ref = TorchOps.silu_mul(ref_group(gu, h, ag, bg, sg, (0, inter)))[0]

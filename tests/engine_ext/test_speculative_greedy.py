@@ -147,7 +147,7 @@ def test_run_async_reads_input_ids_from_the_device(setup):
     runner.run(prefill, slots)
     tokens = torch.tensor([50, 61, 72, 83])
     work = [SeqWork([0, 9, 0], 5, [0, 1, 2], lora, num_logits=3), SeqWork([0], 3, [3, 4], slots.zero_slot)]
-    got = runner.run_async(work, slots, tokens=tokens, token_src=[2, -1, 0, 3])
+    got = runner.run_async(work, slots, tokens=tokens, token_src=[2, -1, 0, 3]).float()  # in the model's dtype
     runner.run(prefill, slots)  # the same cache state again
     work = [SeqWork([72, 9, 50], 5, [0, 1, 2], lora, num_logits=3), SeqWork([83], 3, [3, 4], slots.zero_slot)]
     torch.testing.assert_close(got, runner.run(work, slots), rtol=0, atol=0)

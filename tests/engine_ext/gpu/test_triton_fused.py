@@ -49,6 +49,27 @@ def test_add_rms_norm(dtype, tokens, hidden, with_delta):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_delta,with_extra", [(True, True), (True, False), (False, False)])
+def test_add_rms_norm_on_selected_rows(dtype, with_delta, with_extra):
+    """The final norm reads only the rows whose logits are wanted (`rows`): x[rows] etc. without the gathers."""
+    from engine_ext.kernels.triton_fused import add_rms_norm
+
+    g = _gen(7)
+    x = torch.randn(40, 2048, generator=g, device=DEV).to(dtype)
+    delta = torch.randn(40, 2048, generator=g, device=DEV).to(dtype) if with_delta else None
+    extra = torch.randn(40, 2048, generator=g, device=DEV) if with_extra else None
+    w = (1 + 0.1 * torch.randn(2048, generator=g, device=DEV)).to(dtype)
+    rows = torch.tensor([39, 0, 5, 5, 17], device=DEV)
+    ref_x, ref_h, _ = add_rms_norm(x[rows], None if delta is None else delta[rows], w, 1e-5, None,
+                                   None if extra is None else extra[rows])
+    out_x, out_h, _ = add_rms_norm(x, delta, w, 1e-5, None, extra, rows=rows)
+    assert torch.equal(out_x, ref_x) and torch.equal(out_h, ref_h)
+    torch_x, torch_h, _ = TorchOps.add_rms_norm(x, delta, w, 1e-5, None, extra, rows=rows)
+    _agree(out_x, torch_x, dtype)
+    _agree(out_h, torch_h, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 64), (14, 2, 64), (8, 8, 128), (4, 2, 16)])
 def test_rope_write_kv(dtype, heads, kv_heads, head_dim):
     from engine_ext.kernels.triton_fused import rope_write_kv
@@ -70,6 +91,12 @@ def test_rope_write_kv(dtype, heads, kv_heads, head_dim):
     _agree(out_k, ref_k, dtype)
     assert torch.equal(out_v, ref_v)
     assert torch.equal(fused[:, heads * head_dim :], qkv[:, heads * head_dim :])  # k/v columns untouched
+    # cos/sin as tables over positions (CausalLM.build_rope_table), read by each token's position: the same bits
+    table = cos_sin(inv_freq, torch.arange(4000, device=DEV), dtype)
+    by_pos = qkv.clone()
+    k2, v2 = caches[0].clone(), caches[1].clone()
+    q2 = rope_write_kv(by_pos, *table, k2, v2, slots, heads, kv_heads, positions=positions)
+    assert torch.equal(q2, out_q) and torch.equal(k2, out_k) and torch.equal(v2, out_v)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -267,6 +294,7 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     {"_NORM_CHUNK": 64, "_NORM_LORA_WARPS": 1, "_SILU_LORA_BLOCK": 128, "_SILU_LORA_WARPS": 2, "_ROPE_LORA_WARPS": 2},
     {"_NORM_CHUNK": 256, "_NORM_LORA_BK": 64, "_SILU_LORA_BLOCK": 1024, "_SILU_LORA_SB": 128, "_ROPE_LORA_WARPS": 4},
     {"_EARLY_LOADS": 1},  # independent loads first (norm: one inner step per chunk at these shapes)
+    {"_SILU_EARLY": 1},  # silu_mul's B and A_down tiles first (one inner step per block)
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_lora_folding_under_other_launch_settings(setting, dtype, monkeypatch):
