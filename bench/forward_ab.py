@@ -7,7 +7,7 @@ two or more such variants, their combination is tried too. Writes the winner's s
 `export` lines, for the steps after it.
 
     python bench/forward_ab.py --out-dir /tmp/ab --env-out /tmp/ab/best.env \\
-        "" "LORASERVE_EARLY_LOADS=1" "LORASERVE_SILU_LORA_WARPS=4"
+        "" "LORASERVE_PDL=1" "LORASERVE_SILU_LORA_WARPS=4"
 """
 
 from __future__ import annotations

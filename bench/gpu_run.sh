@@ -22,14 +22,12 @@ export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
 # The ab step's variants, one per line (AB_VARIANTS overrides). Attention's (run 13), the fused kernels' and the
-# one-launch o delta (run 14) and the split LoRA kernels' (run 16) were A/B'd this way, and the defaults won
-# for plain decode; these are the candidates not yet measured: independent loads first in the norm/rotary
-# kernels and in silu_mul, the shrink at 2 warps (run 16's verify passes 1.3-3.8% faster), cuBLASLt.
-DEFAULT_AB="LORASERVE_EARLY_LOADS=1
-LORASERVE_SILU_EARLY=1
-LORASERVE_SILU_EARLY=1 LORASERVE_SILU_LORA_WARPS=4
-LORASERVE_SHRINK_WARPS=2
-LORASERVE_BLAS=cublaslt"
+# one-launch o delta (run 14), the split LoRA kernels' (run 16) and independent loads first / cuBLASLt (run 17)
+# were A/B'd this way; these are the candidates not yet measured (programmatic dependent launch), and the
+# shrink at 4 warps, the default before run 17.
+DEFAULT_AB="LORASERVE_PDL=1
+LORASERVE_PDL=1 LORASERVE_SILU_LORA_WARPS=4
+LORASERVE_SHRINK_WARPS=4"
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
 for step in $STEPS; do

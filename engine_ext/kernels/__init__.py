@@ -20,16 +20,7 @@ def triton_available() -> bool:
 
 
 def install() -> None:
-    """Register the Triton kernels as lora_backend / attn_backend "triton" (idempotent). Needs Triton.
-    LORASERVE_BLAS (cublas / cublaslt) picks torch's matrix-product library for the process (A/B runs of
-    bench/forward_ab.py; unset: torch's default)."""
-    import os
-
-    import torch
-
-    blas = os.environ.get("LORASERVE_BLAS")
-    if blas:
-        torch.backends.cuda.preferred_blas_library(blas)
+    """Register the Triton kernels as lora_backend / attn_backend "triton" (idempotent). Needs Triton."""
     from ..attention import register_attention_backend
     from ..lora_ops import register_lora_backend
     from .triton_attention import paged_attention_triton

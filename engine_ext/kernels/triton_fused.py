@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import LAUNCH as _LAUNCH
+from .pdl import PDL as _PDL
 from .rounding import rnd as _rnd
 from .triton_lora import expand_delta, lora_delta
 
@@ -57,12 +59,9 @@ _SILU_LORA_WARPS = _knob("SILU_LORA_WARPS", 2)
 _NORM_LORA_BK = _knob("NORM_LORA_BK", 0)  # K columns per inner step of add_rms_norm with LoRA (its A tile)
 _NORM_LORA_WARPS = _knob("NORM_LORA_WARPS", 2)
 _ROPE_LORA_WARPS = _knob("ROPE_LORA_WARPS", 1)
-# Loads that depend on nothing computed issued at the kernel's start: the norm's A tile and weight chunk (when
-# one inner step covers its chunk), the rotary kernel's cos/sin rows. Not yet measured (LORASERVE_EARLY_LOADS=1).
-_EARLY_LOADS = _knob("EARLY_LOADS", 0)
-# ... and silu_mul's B and A_down tiles (when one inner step covers its block), ahead of the shrink partials'
-# sum (LORASERVE_SILU_EARLY=1, not yet measured)
-_SILU_EARLY = _knob("SILU_EARLY", 0)
+# Issuing the loads that depend on nothing computed first (the norm's A tile and weights, the rotary kernel's
+# cos/sin, silu_mul's B and A_down tiles) was measured slower or no better in the whole forward (run 17: plain
+# 1.753 and 1.733 against 1.727 ms) and removed.
 # The o and down LoRA deltas on a side stream beside their products (0: on the main stream, one after the
 # other, for A/B runs of bench/decode.py).
 SIDE_STREAM = os.environ.get("LORASERVE_SIDE_STREAM", "1") == "1"
@@ -81,8 +80,11 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
                          stride_e, stride_r, stride_o,
                          a_ptr, slots_ptr, part_ptr, RT, skip_slot, stride_as, stride_ak, stride_ps, stride_pt,
                          HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, EARLY: tl.constexpr,
-                         ROWS: tl.constexpr):
+                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # the output row (and, without ROWS, the input row)
     src_row = row
     if ROWS:  # the input row the output row reads
@@ -92,13 +94,6 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
     offs = tl.arange(0, BLOCK)
     m = offs < N
     offs_r = tl.arange(0, BLOCK_R)
-    if EARLY:  # one inner step (BK == CHUNK): its slot's A tile and weights, issued before the row's reduction
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        do_lora = slot != skip_slot
-        cols0 = split * CHUNK + tl.arange(0, BK)
-        w0 = tl.load(w_ptr + cols0, mask=cols0 < N, other=0.0).to(tl.float32)
-        a0 = tl.load(a_ptr + slot * stride_as + cols0[:, None] * stride_ak + offs_r[None, :],
-                     mask=(cols0[:, None] < N) & (offs_r[None, :] < RT) & do_lora, other=0.0)
     # rstd over the whole row (every split recomputes it; the row is a few KB)
     x = tl.load(x_ptr + src_row * stride_x + offs, mask=m, other=0.0)
     if HAS_DELTA:
@@ -108,12 +103,11 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
         x = _rnd(x.to(tl.float32) + d, dt)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    if not EARLY:
-        slot = 0
-        do_lora = False
-        if LORA:
-            slot = tl.load(slots_ptr + row).to(tl.int64)
-            do_lora = slot != skip_slot
+    slot = 0
+    do_lora = False
+    if LORA:
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        do_lora = slot != skip_slot
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for kk in range(0, CHUNK, BK):
         cols = split * CHUNK + kk + tl.arange(0, BK)
@@ -126,18 +120,12 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
             xc = (xc.to(tl.float32) + dc).to(dt)
         if HAS_DELTA or ROWS:
             tl.store(res_ptr + row * stride_r + cols, xc, mask=mc)
-        if EARLY:
-            wc = w0
-        else:
-            wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
+        wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
         h = (wc * _rnd(xc.to(tl.float32) * rstd, dt)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, h, mask=mc)
         if do_lora:
-            if EARLY:
-                av = a0
-            else:
-                av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
-                             mask=mc[:, None] & (offs_r[None, :] < RT), other=0.0)
+            av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
+                         mask=mc[:, None] & (offs_r[None, :] < RT), other=0.0)
             acc += tl.sum(h.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
     if do_lora:
         tl.store(part_ptr + split * stride_ps + row * stride_pt + offs_r, acc, mask=offs_r < RT)
@@ -186,8 +174,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None,
-            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r,
-            EARLY=bool(_EARLY_LOADS) and lora is not None and bk == chunk, ROWS=rows is not None,
+            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, PDL=_PDL, **_LAUNCH,
             num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
@@ -221,7 +208,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
                           part_ptr, b_ptr, scale_ptr, lslots_ptr, R, num_splits, skip_slot,
                           stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
                           PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                          SPLITS: tl.constexpr, EARLY: tl.constexpr, POS: tl.constexpr):
+                          SPLITS: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cs = t  # the token's row of cos/sin: its own, or with POS (tables over positions) its position's
@@ -230,11 +220,6 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
     offs = tl.arange(0, HALF)
     src = qkv_ptr + t * stride_t + h * (2 * HALF)
     dt = qkv_ptr.dtype.element_ty
-    if EARLY:  # the cos/sin rows with the head's own loads, not after the LoRA math
-        c1 = tl.load(cos_ptr + cs * stride_c + offs).to(tl.float32)
-        c2 = tl.load(cos_ptr + cs * stride_c + HALF + offs).to(tl.float32)
-        s1 = tl.load(sin_ptr + cs * stride_s + offs).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs * stride_s + HALF + offs).to(tl.float32)
     x1 = tl.load(src + offs)
     x2 = tl.load(src + HALF + offs)
     if LORA:
@@ -250,11 +235,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
             x2 = (x2.to(tl.float32) + d2).to(dt)
     if h < num_heads + num_kv_heads:
         # torch: x * cos + cat(-x2, x1) * sin, every product and the sum rounded to the model dtype
-        if not EARLY:
-            c1 = tl.load(cos_ptr + cs * stride_c + offs).to(tl.float32)
-            c2 = tl.load(cos_ptr + cs * stride_c + HALF + offs).to(tl.float32)
-            s1 = tl.load(sin_ptr + cs * stride_s + offs).to(tl.float32)
-            s2 = tl.load(sin_ptr + cs * stride_s + HALF + offs).to(tl.float32)
+        c1 = tl.load(cos_ptr + cs * stride_c + offs).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs * stride_c + HALF + offs).to(tl.float32)
+        s1 = tl.load(sin_ptr + cs * stride_s + offs).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs * stride_s + HALF + offs).to(tl.float32)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (_rnd(f1 * c1, dt) + _rnd(-f2 * s1, dt)).to(dt)
         o2 = (_rnd(f2 * c2, dt) + _rnd(f1 * s2, dt)).to(dt)
@@ -302,7 +286,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), EARLY=bool(_EARLY_LOADS), POS=positions is not None,
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None, PDL=_PDL, **_LAUNCH,
             num_warps=1 if lora is None else _ROPE_LORA_WARPS)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
@@ -312,7 +296,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, R, num_splits, R2, skip_slot,
                      stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
                      stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, EARLY: tl.constexpr):
+                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -321,17 +308,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
     if LORA:
         slot = tl.load(slots_ptr + row).to(tl.int64)
         do_lora = slot != skip_slot
-    offs_r = tl.arange(0, BLOCK_R)
     offs_r2 = tl.arange(0, BLOCK_R2)
-    if EARLY:  # one inner step (SB == BLOCK): the slot's B and A_down tiles issued before the shrink sums
-        cols0 = nb * BLOCK + tl.arange(0, SB)
-        m0 = cols0 < N
-        bg0 = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + cols0[None, :],
-                      mask=(offs_r[:, None] < R) & m0[None, :] & do_lora, other=0.0)
-        bu0 = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + N + cols0[None, :],
-                      mask=(offs_r[:, None] < R) & m0[None, :] & do_lora, other=0.0)
-        av0 = tl.load(a_ptr + slot * stride_as + cols0[:, None] * stride_ak + offs_r2[None, :],
-                      mask=m0[:, None] & (offs_r2[None, :] < R2) & do_lora, other=0.0)
     dacc = tl.zeros([BLOCK_R2], dtype=tl.float32)
     sg = tl.zeros([BLOCK_R], dtype=tl.float32)
     su = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -346,23 +323,16 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
         u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0)
         if do_lora:
-            if EARLY:
-                dg = tl.sum(sg[:, None] * bg0.to(tl.float32), axis=0)
-                du = tl.sum(su[:, None] * bu0.to(tl.float32), axis=0)
-            else:
-                dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
-                du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
+            dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
+            du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
             g = (g.to(tl.float32) + dg).to(dt)
             u = (u.to(tl.float32) + du).to(dt)
         gf = g.to(tl.float32)
         act = (_rnd(gf / (1.0 + tl.exp(-gf)), dt) * u.to(tl.float32)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, act, mask=m)
         if do_lora:
-            if EARLY:
-                av = av0
-            else:
-                av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],
-                             mask=m[:, None] & (offs_r2[None, :] < R2), other=0.0)
+            av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],
+                         mask=m[:, None] & (offs_r2[None, :] < R2), other=0.0)
             dacc += tl.sum(act.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
     if do_lora:
         tl.store(dpart_ptr + nb * stride_ds + row * stride_dt + offs_r2, dacc, mask=offs_r2 < R2)
@@ -399,7 +369,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
-                                                EARLY=bool(_SILU_EARLY) and lora is not None and sb == block,
+                                                PDL=_PDL, **_LAUNCH,
                                                 num_warps=_SILU_LORA_WARPS if lora is not None else 4)
     return out, dpart
 

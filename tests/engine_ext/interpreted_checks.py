@@ -64,15 +64,7 @@ def attention():
 
 
 def fused():
-    # the launch knobs that issue independent loads first (LORASERVE_EARLY_LOADS, LORASERVE_SILU_EARLY)
-    for early in (0, 1):
-        _fused(early)
-
-
-def _fused(early):
     from engine_ext.kernels import triton_fused as tf
-
-    tf._EARLY_LOADS = tf._SILU_EARLY = early
     from engine_ext.kernels.triton_lora import lora_expand
     from engine_ext.model import TorchOps
     from engine_ext.rope import cos_sin

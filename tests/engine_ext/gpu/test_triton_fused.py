@@ -293,8 +293,6 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
 @pytest.mark.parametrize("setting", [
     {"_NORM_CHUNK": 64, "_NORM_LORA_WARPS": 1, "_SILU_LORA_BLOCK": 128, "_SILU_LORA_WARPS": 2, "_ROPE_LORA_WARPS": 2},
     {"_NORM_CHUNK": 256, "_NORM_LORA_BK": 64, "_SILU_LORA_BLOCK": 1024, "_SILU_LORA_SB": 128, "_ROPE_LORA_WARPS": 4},
-    {"_EARLY_LOADS": 1},  # independent loads first (norm: one inner step per chunk at these shapes)
-    {"_SILU_EARLY": 1},  # silu_mul's B and A_down tiles first (one inner step per block)
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_lora_folding_under_other_launch_settings(setting, dtype, monkeypatch):
