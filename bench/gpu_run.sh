@@ -22,12 +22,9 @@ export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
 # The ab step's variants, one per line (AB_VARIANTS overrides). Attention's (run 13), the fused kernels' and the
-# one-launch o delta (run 14), the split LoRA kernels' (run 16) and independent loads first / cuBLASLt (run 17)
-# were A/B'd this way; these are the candidates not yet measured (programmatic dependent launch), and the
-# shrink at 4 warps, the default before run 17.
-DEFAULT_AB="LORASERVE_PDL=1
-LORASERVE_PDL=1 LORASERVE_SILU_LORA_WARPS=4
-LORASERVE_SHRINK_WARPS=4"
+# one-launch o delta (run 14), the split LoRA kernels' (run 16), independent loads first / cuBLASLt (run 17)
+# and programmatic dependent launch (run 18) were A/B'd this way; this checks the default PDL against none.
+DEFAULT_AB="LORASERVE_PDL=0"
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
 for step in $STEPS; do
@@ -58,6 +55,14 @@ for step in $STEPS; do
       timeout 200 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
         --gen 64 --hf --sections engine --out "$OUT/gate16_hf.json" 2>&1 | quiet >"$OUT/gate16_hf.log"
       echo "gate16 rc $?" ;;
+    gate256)  # point 3 in 256-token windows (rank 64)
+      timeout 240 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
+        --vfar-scale 100 --gen 256 --sections engine --out "$OUT/gate256.json" 2>&1 | quiet >"$OUT/gate256.log"
+      echo "gate256 rc $?" ;;
+    gate16_256)  # point 3 in 256-token windows (rank 16)
+      timeout 240 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
+        --gen 256 --sections engine --out "$OUT/gate16_256.json" 2>&1 | quiet >"$OUT/gate16_256.log"
+      echo "gate16_256 rc $?" ;;
     8b)  # the 8B shape, base and plain
       timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
         --sections forward --out "$OUT/forward_8b.json" 2>&1 | quiet >"$OUT/forward_8b.log"
@@ -77,7 +82,8 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "forward_noside.json", "forward_8b.json", "gate.json", "gate16_hf.json"):
+for name in ("forward.json", "forward_noside.json", "forward_8b.json", "gate.json", "gate16_hf.json", "gate256.json",
+             "gate16_256.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .pdl import LAUNCH as _LAUNCH
-from .pdl import PDL as _PDL
+from .pdl import flag as _pdl
 from .rounding import rnd as _rnd
 from .triton_lora import expand_delta, lora_delta
 
@@ -84,7 +84,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
                          PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # the output row (and, without ROWS, the input row)
     src_row = row
     if ROWS:  # the input row the output row reads
@@ -174,7 +175,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None,
-            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, PDL=_PDL, **_LAUNCH,
+            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, PDL=_pdl(num_tokens),
+            **_LAUNCH,
             num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
@@ -211,7 +213,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
                           SPLITS: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cs = t  # the token's row of cos/sin: its own, or with POS (tables over positions) its position's
@@ -283,10 +286,12 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         lora_args, block_r = (qkv, qkv, qkv, qkv, 0, 0, 0, 0, 0, 0, 0, 0), 1
     if num_tokens:
         _rope_write_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+            qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping,
+            num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None, PDL=_PDL, **_LAUNCH,
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None, PDL=_pdl(num_tokens),
+            **_LAUNCH,
             num_warps=1 if lora is None else _ROPE_LORA_WARPS)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
@@ -299,7 +304,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -369,7 +375,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
-                                                PDL=_PDL, **_LAUNCH,
+                                                PDL=_pdl(num_tokens), **_LAUNCH,
                                                 num_warps=_SILU_LORA_WARPS if lora is not None else 4)
     return out, dpart
 
