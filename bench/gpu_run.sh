@@ -23,7 +23,7 @@ mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
 # The ab step's variants, one per line (AB_VARIANTS overrides). Attention's (run 13), the fused kernels' and the
 # one-launch o delta (run 14), the split LoRA kernels' (run 16), independent loads first / cuBLASLt (run 17)
-# and programmatic dependent launch (run 18) were A/B'd this way; this checks the default PDL against none.
+# and programmatic dependent launch (runs 18-20) were A/B'd this way; this checks the default PDL against none.
 DEFAULT_AB="LORASERVE_PDL=0"
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
