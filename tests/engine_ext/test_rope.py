@@ -36,9 +36,10 @@ def test_torch_ops_rope_reads_tables_by_position():
 
 def test_forward_with_the_table_gives_the_per_step_logits(tmp_path):
     """The runner builds the table; a forward without it (per-step cos_sin) gives the same logits."""
+    from tiny_models import build_model
+
     from engine_ext import EngineConfig, LLMEngine
     from engine_ext.batch import SeqWork
-    from tiny_models import build_model
 
     engine = LLMEngine(EngineConfig(model=build_model("llama", str(tmp_path / "m")), block_size=4, num_kv_blocks=32))
     runner, slots = engine.runner, engine.adapters.slots
