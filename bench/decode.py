@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -242,11 +243,13 @@ def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | N
     # the speculator the step loop drives (None: plain steps).
     engine.speculator = Speculator(engine, spec) if spec is not None else None
     g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(10, 100000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    before, counts = Counter(), {}
+    prompts = [torch.randint(10, min(100000, engine.spec.vocab_size), (prompt_len,), generator=g).tolist()
+               for _ in range(batch)]
+    before, passes_before, counts = Counter(), Counter(), {}
     if warm and spec is not None:
         measure_decode(engine, prompts, names, gen, SamplingParams)
         before = Counter(engine.speculator.gate.decisions)
+        passes_before = Counter(engine.speculator.cycle_passes)
         counts = {n: (a.drafted, a.accepted) for n, a in engine.speculator.gate.acceptance.items()}
     out = measure_decode(engine, prompts, names, gen, SamplingParams)
     if spec is not None:
@@ -256,6 +259,7 @@ def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | N
             drafted, accepted = drafted + acc.drafted - d0, accepted + acc.accepted - a0
         out["acceptance"] = accepted / drafted if drafted else None
         out["gate_decisions"] = dict(Counter(engine.speculator.gate.decisions) - before)
+        out["cycle_passes"] = {str(m): n for m, n in sorted((engine.speculator.cycle_passes - passes_before).items())}
         if out["gate_decisions"].get("plain_cost"):  # the cost model's numbers behind them
             out["plain_cost_why"] = list(engine.speculator.gate.recent_plain_cost)
     out["itl_ms_p50"] = out["step_ms_p50"]
@@ -306,6 +310,9 @@ def main() -> None:
     ap.add_argument("--near-scale", type=float, default=0.02, help="adapter B scale for the speculative points")
     ap.add_argument("--vfar-scale", type=float, default=0.0,
                     help="also run speculative points on adapters at this B scale (0: skip), where plain should win")
+    ap.add_argument("--mid-scales", nargs="*", type=float, default=[],
+                    help="also run plain, forced and gated points on adapters at each of these B scales (between "
+                         "the near and very far ones: acceptances where plain and drafting are close)")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--iters", type=int, default=30)
@@ -345,6 +352,10 @@ def main() -> None:
                     vfar = build_random_adapter(os.path.join(args.workdir, f"{shape}-r{rank}-vfar"), shape, rank,
                                                 seed=rank, scale=args.vfar_scale)
                     adapters |= {f"v{i}": vfar for i in range(32)}
+                for j, scale in enumerate(args.mid_scales):
+                    mid = build_random_adapter(os.path.join(args.workdir, f"{shape}-r{rank}-s{scale:g}"), shape, rank,
+                                               seed=rank, scale=scale)
+                    adapters |= {f"m{j}_{i}": mid for i in range(32)}
             t0 = time.perf_counter()
             engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32), max_rank=rank,
                                   max_graph_tokens=max(args.batches) * (MAX_K + 1))
@@ -416,22 +427,33 @@ def forward_points(engine, tag, max_distinct, args, results) -> None:
 
 
 def engine_points(engine, tag, max_distinct, args, results, dump) -> None:
-    """Engine level at batch 32: base / plain / speculative (gate off k=1..4, gate on k=4)."""
+    """Engine level at batch 32: base / plain / speculative (gate off k=1..4, gate on k=4), for every adapter set
+    (near, far, and the optional very far and middle scales), and the gate's check against the better of plain
+    and forced speculation on the same set (`gate_check`)."""
     rank = tag["rank"]
     batch = 32 if 32 in args.batches else args.batches[0]
     distinct = min(batch, max_distinct, 32)
     names = [f"a{i % distinct}" for i in range(batch)]
     near = [f"n{i % distinct}" for i in range(batch)]
+    gated = SpecConfig(num_draft_tokens=MAX_K, gate=True)
+    forced = SpecConfig(num_draft_tokens=MAX_K, gate=False)
     modes = [("base", None, [None] * batch), ("plain", None, names), ("plain_near", None, near)]
     modes += [(f"spec_k{k}", SpecConfig(num_draft_tokens=k, gate=False), near) for k in range(1, MAX_K + 1)]
-    gated = SpecConfig(num_draft_tokens=MAX_K, gate=True)
     modes += [(f"spec_k{MAX_K}_gate", gated, near), (f"spec_k{MAX_K}_gate_warm", gated, near),
               (f"spec_k{MAX_K}_gate_far", gated, names), (f"spec_k{MAX_K}_gate_far_warm", gated, names),
-              (f"spec_k{MAX_K}_far", SpecConfig(num_draft_tokens=MAX_K, gate=False), names)]
-    if args.vfar_scale:  # adapters far enough from the base that drafting should not pay: the gate should go plain
-        vfar = [f"v{i % distinct}" for i in range(batch)]
-        modes += [("plain_vfar", None, vfar), (f"spec_k{MAX_K}_vfar", SpecConfig(num_draft_tokens=MAX_K, gate=False), vfar),
-                  (f"spec_k{MAX_K}_gate_vfar", gated, vfar), (f"spec_k{MAX_K}_gate_vfar_warm", gated, vfar)]
+              (f"spec_k{MAX_K}_far", forced, names)]
+    # each gated mode against the better of plain and forced drafting on its adapters (medians, and round by round)
+    checks = {f"spec_k{MAX_K}_gate": ["plain_near"] + [f"spec_k{k}" for k in range(1, MAX_K + 1)],
+              f"spec_k{MAX_K}_gate_far": ["plain", f"spec_k{MAX_K}_far"]}
+    extra = [("vfar", "v")] if args.vfar_scale else []  # far enough from the base that plain should win
+    extra += [(f"mid{j}", f"m{j}_") for j in range(len(args.mid_scales))]  # in between: the gate's hardest calls
+    for label, prefix in extra:
+        mix = [f"{prefix}{i % distinct}" for i in range(batch)]
+        modes += [(f"plain_{label}", None, mix), (f"spec_k{MAX_K}_{label}", forced, mix),
+                  (f"spec_k{MAX_K}_gate_{label}", gated, mix), (f"spec_k{MAX_K}_gate_{label}_warm", gated, mix)]
+        checks[f"spec_k{MAX_K}_gate_{label}"] = [f"plain_{label}", f"spec_k{MAX_K}_{label}"]
+    for mode in list(checks):
+        checks[mode + "_warm"] = checks[mode]
     modes = [m for m in modes if m[0] != "base" or rank == args.ranks[0]]
     # --repeats: every mode's window again, in rounds (slow drift of the machine reaches every mode alike);
     # each mode reports the round with the median tokens/s (and every round's, tokens_per_s_runs). A gated
@@ -444,17 +466,30 @@ def engine_points(engine, tag, max_distinct, args, results, dump) -> None:
                               warm=mode.endswith("_warm"))
             runs.setdefault(mode, []).append(out)
             print(json.dumps({"round": rnd} | {k: out.get(k) for k in ("tokens_per_s", "step_ms_p50", "acceptance",
-                                                                       "gate_decisions")} | {"mode": mode}),
-                  flush=True)
+                                                                       "gate_decisions", "cycle_passes")}
+                             | {"mode": mode}), flush=True)
+    median = {}
     for mode, _, _ in modes:
         outs = sorted(runs[mode], key=lambda o: o["tokens_per_s"])
         out = outs[(len(outs) - 1) // 2]
+        median[mode] = out["tokens_per_s"]
         rec = dict(tag, mode=mode, batch=batch, adapters=0 if mode == "base" else distinct, **out,
                    tokens_per_s_runs=[round(o["tokens_per_s"], 1) for o in runs[mode]])
         results["engine"].append(rec)
         dump()
         print(json.dumps({k: rec.get(k) for k in ("rank", "mode", "tokens_per_s", "tokens_per_s_runs", "step_ms_p50",
-                                                  "step_ms_p99", "acceptance", "gate_decisions")}), flush=True)
+                                                  "step_ms_p99", "acceptance", "gate_decisions", "cycle_passes")}),
+              flush=True)
+    for mode, refs in checks.items():
+        better = max(refs, key=median.get)
+        rounds = [runs[mode][r]["tokens_per_s"] / max(runs[ref][r]["tokens_per_s"] for ref in refs) - 1
+                  for r in range(args.repeats)]
+        check = dict(tag, mode=mode, better=better, vs_better=median[mode] / median[better] - 1,
+                     vs_better_rounds=[round(x, 4) for x in rounds], vs_better_rounds_median=statistics.median(rounds),
+                     acceptance=statistics.median([o["acceptance"] or 0.0 for o in runs[mode]]))
+        results.setdefault("gate_check", []).append(check)
+        print(json.dumps(check), flush=True)
+    dump()
 
 
 def run_hf(shape, model_dir, args, results) -> None:

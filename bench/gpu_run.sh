@@ -55,16 +55,17 @@ for step in $STEPS; do
       timeout 200 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
         --gen 64 --hf --sections engine --out "$OUT/gate16_hf.json" 2>&1 | quiet >"$OUT/gate16_hf.log"
       echo "gate16 rc $?" ;;
-    gate256)  # point 3 in 256-token windows (rank 64), every mode in 3 rounds, the median reported
-      timeout 300 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
-        --vfar-scale 100 --gen 256 --repeats "${REPEATS:-3}" --sections engine --out "$OUT/gate256.json" 2>&1 \
-        | quiet >"$OUT/gate256.log"
-      echo "gate256 rc $?" ;;
-    gate16_256)  # point 3 in 256-token windows (rank 16), every mode in 3 rounds, the median reported
-      timeout 200 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
-        --gen 256 --repeats "${REPEATS:-3}" --sections engine --out "$OUT/gate16_256.json" 2>&1 \
+    gate256)  # point 3 in 256-token windows (rank 64, near / far / very far and two middle scales), every mode in
+      # 5 rounds, the median reported, and each gated mode against the better mode round by round (gate_check)
+      timeout 420 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
+        --vfar-scale 100 --mid-scales ${MID_SCALES:-5 15} --gen 256 --repeats "${REPEATS:-5}" --sections engine \
+        --out "$OUT/gate256.json" 2>&1 | quiet >"$OUT/gate256.log"
+      echo "gate256 rc $?"; grep '"vs_better"' "$OUT/gate256.log" ;;
+    gate16_256)  # point 3 in 256-token windows (rank 16), every mode in 5 rounds, the median reported
+      timeout 240 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
+        --gen 256 --repeats "${REPEATS:-5}" --sections engine --out "$OUT/gate16_256.json" 2>&1 \
         | quiet >"$OUT/gate16_256.log"
-      echo "gate16_256 rc $?" ;;
+      echo "gate16_256 rc $?"; grep '"vs_better"' "$OUT/gate16_256.log" ;;
     8b)  # the 8B shape, base and plain
       timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
         --sections forward --out "$OUT/forward_8b.json" 2>&1 | quiet >"$OUT/forward_8b.log"
@@ -99,7 +100,10 @@ for name in ("forward.json", "forward_noside.json", "forward_8b.json", "gate.jso
     for r in d.get("engine", []):
         print(name, "r%d" % r["rank"], r["mode"], "%.0f tok/s" % r["tokens_per_s"], r.get("tokens_per_s_runs", ""),
               "acc", r.get("acceptance"),
-              r.get("gate_decisions") or "", r.get("plain_cost_why") or "")
+              r.get("gate_decisions") or "", r.get("cycle_passes") or "", r.get("plain_cost_why") or "")
+    for c in d.get("gate_check", []):
+        print(name, "r%d" % c["rank"], c["mode"], "vs %s %+.1f%% (medians), rounds %s, acc %.2f"
+              % (c["better"], 100 * c["vs_better"], c["vs_better_rounds"], c["acceptance"]))
     for r in d.get("hf", []):
         print(name, r["mode"], "b", r["batch"], "%.1f tok/s" % r["tokens_per_s"])
     for e in d.get("errors", []):

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 
 import torch
 
@@ -38,23 +38,47 @@ def expected_tokens(acceptance: float, m: int) -> float:
     return (1.0 - acceptance ** (m + 1)) / (1.0 - acceptance)
 
 
+def _useful_drafts(acceptance: float, worth: float) -> int:
+    """The most drafts j with acceptance^j >= worth: the j-th draft's expected tokens against its cost."""
+    if worth <= 0.0 or acceptance >= 1.0:
+        return 1 << 30
+    if acceptance <= 0.0 or worth >= 1.0:
+        return 0
+    return int(math.log(worth) / math.log(acceptance) + 1e-9)
+
+
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@dataclass
 class AdapterAcceptance:
     """Per-token acceptance a: the chance a draft is accepted given the drafts before it were.
     Drafts after the first rejection are never judged, so a = accepted / (accepted + rejections),
-    not accepted / drafted (which would fall with the draft length for the same adapter)."""
+    not accepted / drafted (which would fall with the draft length for the same adapter).
 
-    ema: float
-    drafted: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    verifies: int = 0
-    samples: int = 0
-    idle_steps: int = 0  # plain steps since it last drafted (for probing a gated-off adapter)
+    The running estimate (`ema`) is a ratio of exponentially decayed counts, accepted over judged drafts, each
+    decayed by `weight` per verify: every judged draft counts alike, which is the estimate of a for drafts
+    that stop at the first rejection. (An average of per-verify ratios, as an earlier version kept, let one
+    early rejection, a ratio of 0 from one judged draft, weigh as much as a fully accepted cycle of four:
+    at a = 0.985 an adapter's estimate dropped by up to 10 points after each rare rejection.) The prior
+    counts as one judged draft, so a new adapter's estimate is its own within a few verifies. (Weighed as
+    two, a perfect rank-16 adapter's first verify left it at 0.87, where plain looked faster, and plain
+    steps learn nothing until a probe: see tests/engine_ext/test_gate_simulated.py.)"""
+
+    PRIOR_DRAFTS = 1.0  # the judged drafts the prior (or a value set on `ema`) counts as
+
+    def __init__(self, ema: float):
+        self.ema = ema
+        self.drafted = self.accepted = self.rejected = self.verifies = 0
+        self.idle_steps = 0  # plain steps since it last drafted (for probing a gated-off adapter)
+
+    @property
+    def ema(self) -> float:
+        return self._accepted_w / self._judged_w
+
+    @ema.setter
+    def ema(self, value: float) -> None:  # a prior (or a test's state): PRIOR_DRAFTS judged drafts at this rate
+        self._accepted_w, self._judged_w = value * self.PRIOR_DRAFTS, self.PRIOR_DRAFTS
 
     def observe(self, drafted: int, accepted: int, weight: float) -> None:
         judged = accepted + (accepted < drafted)
@@ -64,11 +88,9 @@ class AdapterAcceptance:
         self.verifies += 1
         self.idle_steps = 0
         if judged:
-            # A running mean over the first samples (the prior counts as one), then an EMA: a new adapter's
-            # acceptance is learned in a few cycles, and drift is still followed later.
-            self.samples += 1
-            w = max(weight, 1.0 / (self.samples + 1))
-            self.ema = (1 - w) * self.ema + w * (accepted / judged)
+            keep = 1.0 - weight
+            self._accepted_w = keep * self._accepted_w + accepted
+            self._judged_w = keep * self._judged_w + judged
 
     @property
     def rate(self) -> float | None:
@@ -77,39 +99,86 @@ class AdapterAcceptance:
 
 
 class StepTimes:
-    """EMA of measured wall time per pass kind and (token bucket, distinct-adapter bucket)."""
+    """EMA of measured wall time per pass kind and (token bucket, distinct-adapter bucket), with the mean token
+    count of the passes each bucket measured (to interpolate between buckets)."""
 
     def __init__(self, weight: float = 0.2):
         self.weight = weight
         self._t: dict[tuple[str, int, int], float] = {}
+        self._tokens: dict[tuple[str, int, int], float] = {}
         self._n: Counter[tuple[str, int, int]] = Counter()
+        self._lines: dict[str, dict[int, list[tuple[float, float]]]] = {}  # slope's points, until the next record
 
     def record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
         key = (kind, _bucket(tokens), _bucket(adapters) if adapters else 0)
         self._n[key] += 1
+        self._lines.pop(kind, None)
         old = self._t.get(key)
         # The second sample at a shape replaces the first, which may carry one-off costs (kernel selection,
         # first-touch memory); later ones are averaged in. (A pass that captured CUDA graphs, seconds long,
         # is never recorded: see Speculator.)
         if old is None or self._n[key] == 2:
-            self._t[key] = seconds
+            self._t[key], self._tokens[key] = seconds, float(tokens)
         else:
             self._t[key] = (1 - self.weight) * old + self.weight * seconds
+            self._tokens[key] = (1 - self.weight) * self._tokens[key] + self.weight * tokens
 
     def get(self, kind: str, tokens: int, adapters: int, exact: bool = False) -> float | None:
-        """The measured time at this bucket; else (unless `exact`) that of the nearest measured bucket of the
-        same kind (token and adapter buckets compared on a log scale), unscaled. The fallback is meant to be
-        optimistic for the pass it prices: a decision it drives runs that pass and so measures the missing
-        bucket, while a pessimistic guess would keep the gate from ever trying it. None if never measured."""
+        """Seconds for a pass of this kind, tokens and adapters, priced from the measurements:
+        - its bucket measured: that time, moved along the measured cost per token (`slope`) to this pass's size
+          (a bucket holds passes of up to twice the tokens: the verify passes of two and of three drafting
+          passes share the 128-token bucket at batch 32, and were priced alike, so the longer cycle always
+          looked better);
+        - else (unless `exact`, which returns None) between two measured buckets of the same kind and adapter
+          bucket: the straight line through them in token count (pass time is close to affine in tokens at
+          these sizes). The nearest of two equally near buckets, the guess before, priced a 128-token verify
+          pass at a 64-token one's time rather than between it and a 160-token one, and the gate ran the
+          shorter cycle once more per window;
+        - else the nearest measured bucket of the same kind (token and adapter buckets compared on a log
+          scale), unscaled. That is meant to be optimistic for the larger pass it usually prices: a decision it
+          drives runs that pass and so measures the missing bucket, while a pessimistic guess would keep the
+          gate from ever trying it.
+        None if this kind was never measured."""
         ab = _bucket(adapters) if adapters else 0
         tb = _bucket(tokens)
         measured = self._t.get((kind, tb, ab))
-        if measured is not None or exact:
-            return measured
+        if measured is not None:  # moved along the measured cost per token to this pass's own size in the bucket
+            shift = self.slope(kind, tokens, adapters) * (tokens - self._tokens[(kind, tb, ab)])
+            return max(0.5 * measured, measured + shift)
+        if exact:
+            return None
         known = [(t, a, v) for (k, t, a), v in self._t.items() if k == kind]
         if not known:
             return None
-        return min(known, key=lambda e: abs(e[0].bit_length() - tb.bit_length()) + abs(e[1].bit_length() - ab.bit_length()))[2]
+        below = max((t for t, a, _ in known if a == ab and t < tb), default=None)
+        above = min((t for t, a, _ in known if a == ab and t > tb), default=None)
+        if below is not None and above is not None:
+            lo, hi = (kind, below, ab), (kind, above, ab)
+            n_lo, n_hi = self._tokens[lo], self._tokens[hi]
+            if n_hi > n_lo:
+                f = min(1.0, max(0.0, (tokens - n_lo) / (n_hi - n_lo)))
+                return self._t[lo] + f * (self._t[hi] - self._t[lo])
+        return min(known, key=lambda e: abs(e[0].bit_length() - tb.bit_length())
+                   + abs(e[1].bit_length() - ab.bit_length()))[2]
+
+    def slope(self, kind: str, tokens: int, adapters: int) -> float:
+        """Seconds per token of this kind's passes near `tokens`: the line through the two measured buckets around
+        it, else through the two nearest, in this adapter bucket or else the nearest one with two sizes measured
+        (the per-token work does not depend on how many adapters the pass reads). 0.0 until two sizes are."""
+        ab = _bucket(adapters) if adapters else 0
+        lines = self._lines.get(kind)
+        if lines is None:  # (token count, seconds) by adapter bucket, where two sizes or more are measured
+            points: dict[int, list[tuple[float, float]]] = {}
+            for key, v in self._t.items():
+                if key[0] == kind:
+                    points.setdefault(key[2], []).append((self._tokens[key], v))
+            lines = self._lines[kind] = {a: sorted(p) for a, p in points.items() if len(p) >= 2}
+        if not lines:
+            return 0.0
+        pts = lines[min(lines, key=lambda a: abs(a.bit_length() - ab.bit_length()))]
+        i = min(max(1, sum(n < tokens for n, _ in pts)), len(pts) - 1)
+        (n0, t0), (n1, t1) = pts[i - 1], pts[i]
+        return max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
 
 
 class PassClock:
@@ -148,8 +217,20 @@ class Gate:
         self.acceptance: dict[str, AdapterAcceptance] = {}
         self.decisions: Counter[str] = Counter()
         self.recent_plain_cost: deque[str] = deque(maxlen=8)  # why the latest cost-based plain decisions
-        self.probe_interval = probe_interval
+        self.base_probe_interval = probe_interval
+        self.probe_backoff = 1  # doubles after each probe that ends in plain again, up to MAX_PROBE_BACKOFF
+        self._probed = False  # the last cycle was a probe, and no decision since has judged it
+        self._chosen: tuple[list[int] | None, float | None] = (None, None)  # draft_lengths' last pick and its rate
         self.plain_streak = 0  # consecutive plain decisions; a probe cycle refreshes stale measurements
+
+    MAX_PROBE_BACKOFF = 8
+
+    @property
+    def probe_interval(self) -> int:
+        """Plain steps between probe cycles (0: never): 64, doubling after every probe the gate answers with plain
+        again, up to 8x, back to 64 once it speculates. A probe costs about a cycle's extra time over a plain
+        step (2 ms at batch 32 on the H200); at a fixed 64 steps far adapters' batches paid about 1% for them."""
+        return self.base_probe_interval * self.probe_backoff
 
     def adapter(self, name: str) -> AdapterAcceptance:
         if name not in self.acceptance:
@@ -171,31 +252,55 @@ class Gate:
     def draft_lengths(self, adapters: list[str], caps: list[int], batch: int) -> list[int]:
         """Per adapter sequence, a draft length in 0..min(k, cap).
 
-        A cycle costs max(lengths) base passes plus one verify pass, so every adapter worth drafting for
-        drafts the same number of passes M (extra verify tokens are cheap beside the passes every adapter
-        shares); M in 1..k maximises the cost model's predicted tokens per second (measured pass times,
-        per-adapter acceptance). Adapters below `min_acceptance` draft nothing (one token when a long run
-        of plain steps calls for a re-measure). With nothing measured yet, M = 1: the cheapest cycle
-        that measures both pass kinds."""
+        A cycle costs M = max(lengths) base passes plus one verify pass over sum(m + 1) tokens. For each M in
+        1..k every adapter first drafts M, or one token if its acceptance is below `min_acceptance`; then, once
+        the verify pass's cost per token is known (two measured sizes), each keeps only the drafts that repay
+        their verify tokens, and at least one: its j-th draft adds a^j expected tokens for one more verify
+        token, worth it while a^j >= rate x seconds per verify token (rate: the cycle's predicted tokens per
+        second). M maximises the predicted rate. With nothing measured yet, M = 1: the cheapest cycle that
+        measures both pass kinds.
+
+        Every adapter drafts in a cycle the others run: its first draft costs one verify token, next to
+        nothing, and keeps its estimate current. Left out below `min_acceptance`, as an earlier version did,
+        an unlucky adapter's sequences took one token per cycle (a third of plain decoding's rate, on a cycle
+        of four passes) until a re-measure 64 steps later, and a batch whose window ended with them ran at
+        that rate (tests/engine_ext/test_gate_simulated.py)."""
         k = self.cfg.num_draft_tokens
         if not self.cfg.gate:
             return [min(k, c) for c in caps]
-        low = [self.adapter(n).ema < self.cfg.min_acceptance for n in adapters]
-        relearn = [bool(self.probe_interval) and self.adapter(n).idle_steps >= self.probe_interval for n in adapters]
+        accs = [self.adapter(n).ema for n in adapters]
+        low = [a < self.cfg.min_acceptance for a in accs]
 
         def lengths(passes: int) -> list[int]:
-            return [min(1 if lo else passes, cap) if not lo or again else 0
-                    for lo, again, cap in zip(low, relearn, caps)]
+            return [min(1 if lo else passes, cap) for lo, cap in zip(low, caps)]
 
         if self.probe_interval and self.plain_streak >= self.probe_interval:
             return lengths(1)  # a long run of plain steps re-measures drafting with the cheapest cycle
         num_base = batch - len(adapters)
-        best, best_rate = 1, None
+        distinct = len(set(adapters))
+        best, best_rate = lengths(1), None
         for passes in range(1, k + 1):
-            rate = self.predicted_rate(adapters, lengths(passes), num_base)
-            if rate is not None and (best_rate is None or rate > best_rate):
-                best, best_rate = passes, rate
-        return lengths(best)
+            cand = lengths(passes)
+            rate = self._rate(accs, cand, num_base, distinct)
+            if rate is None:
+                continue
+            per_token = self.times.slope("lora", sum(cand) + len(cand) + num_base, distinct)
+            if per_token > 0 and passes > 1:
+                worth = rate * per_token
+                pruned = [min(m, max(1, _useful_drafts(a, worth))) if m > 1 else m for m, a in zip(cand, accs)]
+                if pruned != cand:
+                    cand, rate = pruned, self._rate(accs, pruned, num_base, distinct)
+            if best_rate is None or rate > best_rate:
+                best, best_rate = cand, rate
+        self._chosen = (best, best_rate)  # decide() on these lengths reuses the rate
+        return best
+
+    def note_step(self, adapters: list[str], lengths: list[int] | None) -> None:
+        """After a step: the adapters that drafted nothing in it (every one, in a plain step) count it towards
+        their re-measure (`idle_steps`), so an adapter left out of cycles is re-measured too."""
+        drafting = set() if lengths is None else {n for n, m in zip(adapters, lengths) if m}
+        for name in set(adapters) - drafting:
+            self.adapter(name).idle_steps += 1
 
     def adapter_on_time(self, tokens: int, distinct: int) -> float | None:
         """An adapter-on pass of `tokens` tokens: a verify pass or a plain step measured at that size, else the
@@ -209,16 +314,19 @@ class Gate:
 
     def predicted_rate(self, adapters: list[str], lengths: list[int], num_base: int) -> float | None:
         """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured)."""
+        return self._rate([self.adapter(a).ema for a in adapters], lengths, num_base, len(set(adapters)))
+
+    def _rate(self, accs: list[float], lengths: list[int], num_base: int, distinct: int) -> float | None:
         passes = max(lengths, default=0)
         if not passes:
             return None
-        batch, distinct = len(adapters) + num_base, len(set(adapters))
+        batch = len(accs) + num_base
         t_base = self.times.get("base", batch, 0)
-        t_verify = self.adapter_on_time(sum(m + 1 for m in lengths) + num_base, distinct)
+        t_verify = self.adapter_on_time(sum(lengths) + len(lengths) + num_base, distinct)
         if t_base is None or t_verify is None:
             return None
         t_over = self.times.get("overhead", batch, 0) or 0.0  # once per cycle (greedy cycles; see above)
-        gained = sum(expected_tokens(self.adapter(a).ema, m) for a, m in zip(adapters, lengths))
+        gained = sum(m + 1.0 if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a) for a, m in zip(accs, lengths))
         return (gained + num_base * (passes + 1)) / (t_over + passes * t_base + t_verify)
 
     def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None) -> bool:
@@ -243,7 +351,8 @@ class Gate:
         # pass) would make it look slower than it is, and speculation would then never measure plain. The
         # nearest plain step serves a batch size not measured yet (as sequences finish, the batch shrinks).
         t_plain = self.times.get("plain", batch, distinct)
-        spec_rate = self.predicted_rate(adapters, lengths, num_base)
+        chosen, rate = self._chosen
+        spec_rate = rate if lengths is chosen and rate is not None else self.predicted_rate(adapters, lengths, num_base)
         if spec_rate is None:
             self.count("speculate_explore", "no base-only or adapter-on pass measured yet")
             return True
@@ -260,6 +369,12 @@ class Gate:
     def count(self, decision: str, why: str) -> None:
         """Record a decision (decide()'s own, and the speculator's gated-off fast path's)."""
         self.decisions[decision] += 1
+        if decision == "speculate_probe":
+            self._probed = True
+        elif decision.startswith("speculate"):
+            self._probed, self.probe_backoff = False, 1
+        elif self._probed and decision in ("plain_low_acceptance", "plain_cost"):  # the probe did not pay
+            self._probed, self.probe_backoff = False, min(self.MAX_PROBE_BACKOFF, 2 * self.probe_backoff)
         if decision == "plain_cost":
             self.recent_plain_cost.append(why)
         self.plain_streak = self.plain_streak + 1 if decision.startswith("plain") else 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 
 import torch
 
@@ -71,6 +72,7 @@ class Speculator:
         self.clock = PassClock(engine.device)
         self.cycles = self.plain_steps = self.draft_passes = 0
         self.greedy_cycles = 0  # cycles that took the one-sync path
+        self.cycle_passes: Counter[int] = Counter()  # cycles by their number of drafting passes
         self._capture_pending = False  # this step may capture the runner's CUDA graphs (see _record)
         self._reserve = True  # reserve drafting room at the next schedule (see step)
         # What this step records for the gate once the engine reports the whole step's wall time (step_done):
@@ -105,15 +107,17 @@ class Speculator:
             self._reserve = True
         if speculate:
             self.cycles += 1
+            self.gate.note_step(names, lengths)
             self._cycle(batch.seqs, dict(zip(map(id, lora_seqs), lengths)), base_seqs)
         else:
             self.plain_steps += 1
-            for name in set(names):
-                self.gate.adapter(name).idle_steps += 1
-            prefill_tokens = sum(s.num_tokens - s.num_computed for s in batch.seqs if s.is_prefill)
+            self.gate.note_step(names, None)
             e.run_plain(batch.seqs)
-            tokens = len(decoding) + prefill_tokens  # one token per decoding sequence, the prompt for prefills
-            self._pending = ("plain", tokens, len(set(names)), 0.0)
+            # A plain step prices plain decoding: one with prompts in it is not recorded (priced at its token count,
+            # a prefill step served as the nearest "plain" measurement and made plain decoding look 5-10x slower
+            # than it is, so a cold gate never measured it and speculated where plain was faster).
+            if len(decoding) == len(batch.seqs):
+                self._pending = ("plain", len(decoding), len(set(names)), 0.0)
         if lookahead:
             for s in batch.seqs:  # give back the lookahead blocks nothing was written to
                 if not s.finished:
@@ -153,6 +157,7 @@ class Speculator:
         e = self.engine
         slots = e.adapters.slots
         drafters = [s for s in seqs if lengths.get(id(s), 0) > 0]
+        self.cycle_passes[max(lengths.values(), default=0)] += 1
         if drafters and all(s.params.greedy for s in drafters + base_seqs):
             self.greedy_cycles += 1
             return self._greedy_cycle(seqs, lengths, drafters, base_seqs)
@@ -351,5 +356,5 @@ class Speculator:
 
     def global_stats(self) -> dict:
         return {"cycles": self.cycles, "greedy_cycles": self.greedy_cycles, "plain_steps": self.plain_steps,
-                "draft_passes": self.draft_passes,
+                "draft_passes": self.draft_passes, "cycle_passes": dict(sorted(self.cycle_passes.items())),
                 "gate_decisions": dict(self.gate.decisions), "num_draft_tokens": self.cfg.num_draft_tokens}

@@ -23,6 +23,22 @@ def test_acceptance_counts_only_judged_drafts():
     assert acc.rate == 5 / 6 and acc.ema == 1.0
 
 
+def test_acceptance_estimate_weighs_every_judged_draft():
+    """One early rejection among many accepted drafts barely moves the estimate: a is accepted over judged
+    drafts (decayed counts), not an average of per-verify ratios, where a lone 0/1 weighed as much as a 4/4."""
+    acc = AdapterAcceptance(ema=0.8)
+    for _ in range(15):
+        acc.observe(drafted=4, accepted=4, weight=0.1)
+    acc.observe(drafted=4, accepted=0, weight=0.1)  # d1 rejected: one judged draft
+    assert 0.95 < acc.ema < 1.0  # an average of per-verify ratios: 0.9
+    for _ in range(30):  # the adapter drifts away from the base: the estimate follows
+        acc.observe(drafted=4, accepted=0, weight=0.1)
+    assert acc.ema < 0.3
+    fresh = AdapterAcceptance(ema=0.8)  # the prior counts as one judged draft
+    fresh.observe(drafted=1, accepted=1, weight=0.1)
+    assert fresh.ema == pytest.approx((0.9 * 0.8 + 1) / (0.9 + 1))
+
+
 def measure(gate_or_times, kind, tokens, adapters, seconds):
     """Two samples: the second at a shape replaces the first (which may carry one-off costs)."""
     times = getattr(gate_or_times, "times", gate_or_times)
@@ -36,9 +52,18 @@ def test_draft_length_follows_acceptance_and_cost():
     measure(gate, "lora", 8, 2, 0.020)
     gate.adapter("close").ema, gate.adapter("far").ema, gate.adapter("mid").ema = 0.98, 0.1, 0.6
     lengths = gate.draft_lengths(["close", "far", "mid"], [4, 4, 4], batch=8)
-    # Every adapter worth drafting for drafts the cycle's passes (its extra verify tokens are cheap); the far one none.
-    assert lengths == [4, 0, 4]
+    # Every adapter drafts the cycle's passes, one below min_acceptance a single token, while the verify pass's
+    # cost per token is unknown (one size measured).
+    assert lengths == [4, 1, 4]
     assert gate.draft_lengths(["close"], [2], batch=8) == [2]  # never past the sequence's end
+    # The cost per verify token measured (0.5 ms, a twentieth of a base pass): each adapter keeps the drafts
+    # whose expected tokens repay their verify tokens at the cycle's rate (a^j >= rate x 0.5 ms), and at least
+    # one (next to free, and it keeps the adapter's estimate current).
+    measure(gate, "lora", 16, 2, 0.024)
+    lengths = gate.draft_lengths(["close", "far", "mid"], [4, 4, 4], batch=8)
+    rate = gate.predicted_rate(["close", "far", "mid"], lengths, 5)
+    assert lengths[0] == 4 and lengths[1] == 1 and 1 < lengths[2] < 4
+    assert 0.6 ** lengths[2] >= rate * 0.0005 > 0.6 ** (lengths[2] + 1)
 
 
 def test_draft_passes_maximise_the_predicted_rate():
@@ -100,6 +125,32 @@ def test_step_times_fall_back_to_nearest_bucket():
     measure(t, "lora", 16, 1, 0.03)
     assert t.get("lora", 16, 1) == 0.03 and t.get("lora", 32, 1) == 0.03
     assert t.get("base", 4, 0) is None and t.get("lora", 32, 1, exact=True) is None
+
+
+def test_step_times_interpolate_between_measured_buckets():
+    t = StepTimes()
+    measure(t, "lora", 64, 32, 0.0023)
+    measure(t, "lora", 160, 32, 0.0034)  # bucket 256, measured at 160 tokens
+    # 128 tokens (bucket 128, not measured) lie two thirds of the way from 64 to 160 tokens
+    assert t.get("lora", 128, 32) == pytest.approx(0.0023 + 0.0011 * 64 / 96)
+    assert t.get("lora", 128, 32, exact=True) is None
+    assert t.get("lora", 512, 32) == 0.0034  # beyond the measured sizes: the nearest, unscaled
+    assert t.get("lora", 128, 8) in (0.0023, 0.0034)  # another adapter bucket: no line to draw, the nearest
+
+
+def test_unmeasured_middle_cycle_is_priced_between_its_neighbours():
+    """After a cold gate's first cycles (one drafting pass, then four), a three-pass cycle's verify pass lies
+    between the two measured ones. Priced at the nearer-by-bucket 64-token pass, it looked cheap enough to be
+    run (and so measured) once per window, at 0.985 acceptance where four passes are clearly better."""
+    names = [f"a{i}" for i in range(32)]
+    gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
+    measure(gate, "base", 32, 0, 0.0013)
+    measure(gate, "lora", 64, 32, 0.0023)
+    measure(gate, "lora", 160, 32, 0.0034)
+    measure(gate, "overhead", 32, 0, 0.002)
+    for n in names:
+        gate.adapter(n).ema = 0.985
+    assert gate.draft_lengths(names, [4] * 32, batch=32) == [4] * 32
 
 
 def test_plain_priced_at_the_nearest_plain_step_when_the_batch_shrinks():
@@ -240,6 +291,30 @@ def test_plain_steps_and_cycle_overhead_are_priced_by_the_whole_engine_step(mode
     times = engine.speculator.gate.times
     plain = [v for (kind, _, _), v in times._t.items() if kind == "plain"]
     overhead = [v for (kind, _, _), v in times._t.items() if kind == "overhead"]
-    assert plain and min(plain) >= 0.03  # the prefill step ran plain
+    assert plain and min(plain) >= 0.03
+    # plain decoding's price comes from decode steps only: the prefill step (12 prompt tokens) is not recorded,
+    # or it would serve as the nearest "plain" measurement of a batch not measured yet
+    assert all(tokens <= 4 for kind, tokens, _ in times._t if kind == "plain")
     assert overhead and min(overhead) >= 0.03
     assert engine.speculator._pending is None
+
+
+def test_probes_back_off_while_they_find_nothing():
+    """A probe cycle answered by plain again doubles the wait before the next (64, 128, ... up to 8x); a cycle the
+    gate chooses on its own merits brings it back to 64."""
+    gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
+    gate.adapter("far").ema = 0.0
+    intervals = []
+    for _ in range(5):
+        steps = 0
+        while gate.gated_off(["far"]):
+            gate.count("plain_low_acceptance", "fast path")
+            steps += 1
+        intervals.append(steps)
+        assert gate.decide(["far"], gate.draft_lengths(["far"], [4], batch=1), num_base=0)  # the probe
+        assert gate.decisions["speculate_probe"] == len(intervals)
+        gate.adapter("far").observe(drafted=1, accepted=0, weight=0.1)
+        gate.adapter("far").idle_steps = 0
+    assert intervals == [64, 128, 256, 512, 512]
+    gate.count("speculate", "drafting pays again")
+    assert gate.probe_interval == 64

@@ -51,6 +51,8 @@ def test_identical_to_plain_for_every_draft_length(setup, k):
     assert [o.token_ids for o in outs] == expected
     stats = engine.stats()
     assert stats["speculative"]["draft_passes"] > 0
+    passes = stats["speculative"]["cycle_passes"]  # gate off: every cycle drafts k, but one that ends a sequence
+    assert sum(passes.values()) == stats["speculative"]["cycles"] and max(passes, key=passes.get) == k
     near = stats["adapters"]["near-r8"]
     assert near["accepted_tokens"] > 0 and near["drafted_tokens"] >= near["accepted_tokens"]
     assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
