@@ -10,8 +10,9 @@ Only launches of up to MAX_TOKENS tokens use it (decode at batch <= 32, one wave
 Measured in the whole forward on the H200 (bench/forward_ab.py): plain decode at batch 32 1.712 against
 1.726 ms (run 18) and 1.709 against 1.724 ms (run 19); the verify passes (64-160 tokens, several waves)
 were 1.3-3.3% slower with it, early trigger or not (runs 18, 19), so they launch without it.
-LORASERVE_PDL=0 turns it off; it is off under Triton's interpreter and before sm_90. `flag(num_tokens)`
-is the kernels' PDL constexpr (0 off, 1 on) and `launch(num_tokens)` the launch options that go with it.
+LORASERVE_PDL=0 turns it off; it is off under Triton's interpreter and before sm_90. A kernel takes a `PDL`
+constexpr and calls `wait_then_release(PDL)` first; its launch passes `**launch(num_tokens)` (the constexpr and
+the launch option together).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # Launches of up to this many tokens use PDL (decode at batch <= 32: one wave).
 MAX_TOKENS = 32
@@ -33,9 +36,15 @@ def _enabled() -> bool:
 PDL = _enabled()
 
 
-def flag(num_tokens: int) -> int:
-    return int(PDL and num_tokens <= MAX_TOKENS)
-
-
 def launch(num_tokens: int) -> dict:
-    return {"launch_pdl": True} if flag(num_tokens) else {}
+    """The PDL constexpr and launch option of a launch over `num_tokens` tokens."""
+    return {"PDL": 1, "launch_pdl": True} if PDL and num_tokens <= MAX_TOKENS else {"PDL": 0}
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """A PDL kernel's first step, before any load or store: wait for the previous kernel's completion and memory
+    flush, then let the next PDL kernel be scheduled."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..attention import AttnMetadata
-from .pdl import flag, launch
+from .pdl import launch, wait_then_release
 
 
 @triton.jit
@@ -44,9 +44,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
                        PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -118,9 +116,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
 @triton.jit
 def _combine_kernel(part_ptr, ml_ptr, out_ptr, H, stride_ot, stride_oh,
                     SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
@@ -168,12 +164,11 @@ def paged_attention_triton(
         q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q(group_pad), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, PDL=flag(num_tokens),
+        PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
         num_warps=NUM_WARPS, **launch(num_tokens), **({"num_stages": stages} if stages else {}))
     if splits > 1:
         _combine_kernel[(num_tokens, heads)](part, ml, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
-                                             HEAD_DIM=head_dim, PDL=flag(num_tokens), num_warps=1,
-                                             **launch(num_tokens))
+                                             HEAD_DIM=head_dim, num_warps=1, **launch(num_tokens))
     return out
 
 

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .pdl import flag as _pdl
 from .pdl import launch as _launch
+from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .triton_lora import expand_delta, lora_delta
 
@@ -82,9 +82,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
                          HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr,
                          CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
                          PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)  # the output row (and, without ROWS, the input row)
     src_row = row
     if ROWS:  # the input row the output row reads
@@ -174,8 +172,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None,
-            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, PDL=_pdl(num_tokens),
-            **_launch(num_tokens),
+            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, **_launch(num_tokens),
             num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
@@ -210,9 +207,7 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
                           stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
                           PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                           SPLITS: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cs = t  # the token's row of cos/sin: its own, or with POS (tables over positions) its position's
@@ -288,8 +283,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None, PDL=_pdl(num_tokens),
-            **_launch(num_tokens),
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None, **_launch(num_tokens),
             num_warps=1 if lora is None else _ROPE_LORA_WARPS)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
@@ -300,9 +294,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
                      stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: nothing is read or written before the previous kernel has finished
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -372,7 +364,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
-                                                PDL=_pdl(num_tokens), **_launch(num_tokens),
+                                                **_launch(num_tokens),
                                                 num_warps=_SILU_LORA_WARPS if lora is not None else 4)
     return out, dpart
 
