@@ -3,6 +3,7 @@ safetensors (fast at 1B+ shapes), and a decode-throughput measurement through th
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -91,18 +92,33 @@ def measure_decode(engine, prompts: list[list[int]], adapters: list[str | None],
         engine.step()
     sync()
     step_times, tokens = [], 0
+    collections = []  # the collector's passes inside the window: (generation, seconds)
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collections.append((info["generation"], time.perf_counter()))
+        elif collections:
+            gen, t0 = collections[-1]
+            collections[-1] = (gen, time.perf_counter() - t0)
+
+    gc.callbacks.append(on_gc)
     start = time.perf_counter()
-    while engine.has_unfinished_requests:
-        t0 = time.perf_counter()
-        outs = engine.step()
-        sync()
-        step_times.append(time.perf_counter() - t0)
-        tokens += sum(len(o.new_token_ids) for o in outs)
+    try:
+        while engine.has_unfinished_requests:
+            t0 = time.perf_counter()
+            outs = engine.step()
+            sync()
+            step_times.append(time.perf_counter() - t0)
+            tokens += sum(len(o.new_token_ids) for o in outs)
+    finally:
+        gc.callbacks.remove(on_gc)
     elapsed = time.perf_counter() - start
     step_times.sort()
     pct = lambda q: step_times[min(len(step_times) - 1, int(q * len(step_times)))] if step_times else None
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else None,
-            "steps": len(step_times), "step_ms_p50": pct(0.5) * 1e3, "step_ms_p99": pct(0.99) * 1e3}
+            "steps": len(step_times), "step_ms_p50": pct(0.5) * 1e3, "step_ms_p99": pct(0.99) * 1e3,
+            "gc_passes": len(collections), "gc_ms": sum(t for _, t in collections) * 1e3,
+            "gc_full_passes": sum(gen == 2 for gen, _ in collections)}
 
 
 def machine() -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -460,13 +461,15 @@ def engine_points(engine, tag, max_distinct, args, results, dump) -> None:
     # mode starts a new speculator every round: a cold gate is cold in each.
     runs: dict[str, list[dict]] = {}
     for rnd in range(args.repeats):
-        for mode, spec, mode_names in modes:
+        # a new order every round: a mode never always follows the same one (a heavy forced mode before a gated
+        # one, say), so whatever the machine carries over from one window to the next reaches every mode alike
+        for mode, spec, mode_names in random.Random(rnd).sample(modes, len(modes)):
             activate(engine, sorted({n for n in mode_names if n}))  # the scheduler admits one cold adapter a step
             out = engine_mode(engine, spec, batch, mode_names, args.gen, args.prompt_len,
                               warm=mode.endswith("_warm"))
             runs.setdefault(mode, []).append(out)
             print(json.dumps({"round": rnd} | {k: out.get(k) for k in ("tokens_per_s", "step_ms_p50", "acceptance",
-                                                                       "gate_decisions", "cycle_passes")}
+                                                                       "gate_decisions", "cycle_passes", "gc_ms")}
                              | {"mode": mode}), flush=True)
     median = {}
     for mode, _, _ in modes:

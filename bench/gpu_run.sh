@@ -58,7 +58,7 @@ for step in $STEPS; do
     gate256)  # point 3 in 256-token windows (rank 64, near / far / very far and two middle scales), every mode in
       # 5 rounds, the median reported, and each gated mode against the better mode round by round (gate_check)
       timeout 420 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
-        --vfar-scale 100 --mid-scales ${MID_SCALES:-5 15} --gen 256 --repeats "${REPEATS:-5}" --sections engine \
+        --vfar-scale 100 --mid-scales ${MID_SCALES:-2 3} --gen 256 --repeats "${REPEATS:-5}" --sections engine \
         --out "$OUT/gate256.json" 2>&1 | quiet >"$OUT/gate256.log"
       echo "gate256 rc $?"; grep '"vs_better"' "$OUT/gate256.log" ;;
     gate16_256)  # point 3 in 256-token windows (rank 16), every mode in 5 rounds, the median reported

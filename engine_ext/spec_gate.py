@@ -108,11 +108,16 @@ class StepTimes:
         self._tokens: dict[tuple[str, int, int], float] = {}
         self._n: Counter[tuple[str, int, int]] = Counter()
         self._lines: dict[str, dict[int, list[tuple[float, float]]]] = {}  # slope's points, until the next record
+        self.version = 0  # bumped when a record changes what a cycle is priced at (plain steps do not, once a
+        self._has_lora = False  # verify pass is measured): draft_lengths' cache key
 
     def record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
         key = (kind, _bucket(tokens), _bucket(adapters) if adapters else 0)
         self._n[key] += 1
         self._lines.pop(kind, None)
+        if kind != "plain" or not self._has_lora:  # what a cycle's price reads (Gate.adapter_on_time) has changed
+            self.version += 1
+        self._has_lora = self._has_lora or kind == "lora"
         old = self._t.get(key)
         # The second sample at a shape replaces the first, which may carry one-off costs (kernel selection,
         # first-touch memory); later ones are averaged in. (A pass that captured CUDA graphs, seconds long,
@@ -143,8 +148,8 @@ class StepTimes:
         tb = _bucket(tokens)
         measured = self._t.get((kind, tb, ab))
         if measured is not None:  # moved along the measured cost per token to this pass's own size in the bucket
-            shift = self.slope(kind, tokens, adapters) * (tokens - self._tokens[(kind, tb, ab)])
-            return max(0.5 * measured, measured + shift)
+            off = tokens - self._tokens[(kind, tb, ab)]
+            return max(0.5 * measured, measured + self.slope(kind, tokens, adapters) * off) if off else measured
         if exact:
             return None
         known = [(t, a, v) for (k, t, a), v in self._t.items() if k == kind]
@@ -221,6 +226,9 @@ class Gate:
         self.probe_backoff = 1  # doubles after each probe that ends in plain again, up to MAX_PROBE_BACKOFF
         self._probed = False  # the last cycle was a probe, and no decision since has judged it
         self._chosen: tuple[list[int] | None, float | None] = (None, None)  # draft_lengths' last pick and its rate
+        self._lengths_key: tuple | None = None
+        self.last_margin: float | None = None
+        self._lengths_value: tuple[list[int] | None, float | None] = (None, None)
         self.plain_streak = 0  # consecutive plain decisions; a probe cycle refreshes stale measurements
 
     MAX_PROBE_BACKOFF = 8
@@ -241,13 +249,23 @@ class Gate:
         """True when no adapter of the batch would draft, known without the cost model: the gate is on, every
         adapter's acceptance is below min_acceptance, none is due a re-measure and no probe cycle is due
         (draft_lengths would return all zeros and decide() count plain_low_acceptance)."""
-        if not self.cfg.gate or not adapters or (self.probe_interval and self.plain_streak >= self.probe_interval):
+        if not self.cfg.gate or not adapters or self.probe_due():
             return False
         for name in set(adapters):
             a = self.adapter(name)
             if a.ema >= self.cfg.min_acceptance or (self.probe_interval and a.idle_steps >= self.probe_interval):
                 return False
         return True
+
+    def probe_due(self) -> bool:
+        return bool(self.probe_interval) and self.plain_streak >= self.probe_interval
+
+    def hold_steps(self) -> int:
+        """After decide(): how many plain steps of the same batch may follow without re-pricing. None unless the
+        last decision was plain on cost, then one per 2% by which plain beat the best cycle, at most 16."""
+        if self.last_margin is None:
+            return 0
+        return min(16, int(self.last_margin / 0.02))
 
     def draft_lengths(self, adapters: list[str], caps: list[int], batch: int) -> list[int]:
         """Per adapter sequence, a draft length in 0..min(k, cap).
@@ -274,10 +292,16 @@ class Gate:
         def lengths(passes: int) -> list[int]:
             return [min(1 if lo else passes, cap) for lo, cap in zip(low, caps)]
 
-        if self.probe_interval and self.plain_streak >= self.probe_interval:
+        if self.probe_due():
             return lengths(1)  # a long run of plain steps re-measures drafting with the cheapest cycle
         num_base = batch - len(adapters)
         distinct = len(set(adapters))
+        # The same inputs give the same lengths: in a run of plain steps (where only plain's price moves) the search
+        # below, ~0.1 ms of host time at batch 32, would otherwise be paid again every step.
+        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version)
+        if key == self._lengths_key:
+            self._chosen = self._lengths_value
+            return self._lengths_value[0]
         best, best_rate = lengths(1), None
         for passes in range(1, k + 1):
             cand = lengths(passes)
@@ -292,7 +316,8 @@ class Gate:
                     cand, rate = pruned, self._rate(accs, pruned, num_base, distinct)
             if best_rate is None or rate > best_rate:
                 best, best_rate = cand, rate
-        self._chosen = (best, best_rate)  # decide() on these lengths reuses the rate
+        self._chosen = self._lengths_value = (best, best_rate)  # decide() on these lengths reuses the rate
+        self._lengths_key = key
         return best
 
     def note_step(self, adapters: list[str], lengths: list[int] | None) -> None:
@@ -303,14 +328,12 @@ class Gate:
             self.adapter(name).idle_steps += 1
 
     def adapter_on_time(self, tokens: int, distinct: int) -> float | None:
-        """An adapter-on pass of `tokens` tokens: a verify pass or a plain step measured at that size, else the
-        nearest verify pass, else the nearest plain step (both optimistic for larger passes: a decision they
-        drive measures the size)."""
-        for kind, exact in (("lora", True), ("plain", True), ("lora", False), ("plain", False)):
-            t = self.times.get(kind, tokens, distinct, exact=exact)
-            if t is not None:
-                return t
-        return None
+        """An adapter-on pass of `tokens` tokens: from the verify passes measured (`StepTimes.get`), else, before
+        any cycle, the nearest plain step (optimistic for a larger pass: a decision it drives measures the
+        size). A plain step is not used once verify passes are measured: it is timed by the whole engine step,
+        host work included, which the cycle's overhead already counts."""
+        t = self.times.get("lora", tokens, distinct)
+        return t if t is not None else self.times.get("plain", tokens, distinct)
 
     def predicted_rate(self, adapters: list[str], lengths: list[int], num_base: int) -> float | None:
         """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured)."""
@@ -333,6 +356,7 @@ class Gate:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);
         False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them."""
         batch, distinct = len(adapters) + num_base, len(set(adapters))
+        self.last_margin = None  # how much faster plain was priced, when this decides plain on cost
         if not self.cfg.gate:
             self.count("speculate_forced" if any(lengths) else "plain_nothing_to_draft", "gate disabled")
             return any(lengths)
@@ -344,7 +368,7 @@ class Gate:
             else:
                 self.count("plain_cost", "no draft length repays its base passes at the measured costs")
             return False
-        if self.probe_interval and self.plain_streak >= self.probe_interval:
+        if self.probe_due():
             self.count("speculate_probe", f"{self.plain_streak} plain steps in a row: re-measure drafting")
             return True
         # Plain steps are their own kind: pricing plain at the nearest adapter-on pass (usually a larger verify
@@ -364,6 +388,7 @@ class Gate:
             self.count("speculate", f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
             return True
         self.count("plain_cost", f"{spec_rate:.1f} tok/s speculative <= {plain_rate:.1f} tok/s plain")
+        self.last_margin = plain_rate / spec_rate - 1.0
         return False
 
     def count(self, decision: str, why: str) -> None:

@@ -32,7 +32,8 @@ RANK16 = Costs(base=1.3e-3, overhead=1.0e-3, plain=2.0e-3, lora0=1.75e-3, lora_p
 def decode_window(gate: Gate, costs: Costs, acceptance: float, gen: int = 256, batch: int = 32,
                   seed: int = 0, noise: float = 0.0) -> float:
     """Tokens per simulated second for `batch` sequences of `gen` tokens, one adapter each, driven as
-    Speculator.step drives the gate (prefill steps are not timed or recorded; a plain step at a smaller batch
+    Speculator.step drives the gate (but for its plain holds, which skip re-pricing and change no decision; prefill
+    steps are not timed or recorded; a plain step at a smaller batch
     costs proportionally less of its per-sequence part)."""
     rnd = random.Random(seed)
 

@@ -318,3 +318,38 @@ def test_probes_back_off_while_they_find_nothing():
     assert intervals == [64, 128, 256, 512, 512]
     gate.count("speculate", "drafting pays again")
     assert gate.probe_interval == 64
+
+
+def test_hold_steps_follow_the_margin_of_a_plain_decision():
+    """A cycle here is priced at 5.42 tokens / 200 ms (27.1 tok/s); plain at 2 tokens per plain step."""
+    def decided(plain_seconds):
+        gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+        gate.adapter("x").ema = 0.9
+        measure(gate, "base", 2, 0, 0.040)
+        measure(gate, "lora", 6, 1, 0.120)
+        measure(gate, "plain", 2, 1, plain_seconds)
+        return gate.decide(["x", "x"], [2, 2], num_base=0), gate.hold_steps()
+
+    assert decided(0.041) == (False, 16)  # plain 80% ahead: held for the most steps
+    assert decided(0.070) == (False, 2)  # 5.6% ahead: two
+    assert decided(0.073) == (False, 0)  # 1% ahead: priced again at the next step
+    assert decided(0.080) == (True, 0)
+
+
+def test_plain_held_without_repricing_and_still_plain_decodings_tokens(model):
+    """An adapter the cost model keeps plain (min_acceptance 0: never gated off): after a plain decision by a wide
+    margin the same batch's next steps are plain without re-pricing, and the tokens are plain decoding's."""
+    path, adapters = model
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256,
+                                    speculative=SpecConfig(num_draft_tokens=4, min_acceptance=0.0)))
+    engine.add_adapter("far", adapters["far"])
+    prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)  # learn
+    out = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
+    decisions = engine.stats()["speculative"]["gate_decisions"]
+    assert decisions.get("plain_cost", 0) > 0 and decisions.get("plain_hold", 0) > 0
+    plain = LLMEngine(EngineConfig(model=path, num_kv_blocks=256))
+    plain.add_adapter("far", adapters["far"])
+    ref = plain.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
