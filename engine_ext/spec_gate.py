@@ -228,6 +228,7 @@ class Gate:
         self._chosen: tuple[list[int] | None, float | None] = (None, None)  # draft_lengths' last pick and its rate
         self._lengths_key: tuple | None = None
         self.last_margin: float | None = None
+        self._closed_ok = False
         self._lengths_value: tuple[list[int] | None, float | None] = (None, None)
         self.plain_streak = 0  # consecutive plain decisions; a probe cycle refreshes stale measurements
 
@@ -267,7 +268,8 @@ class Gate:
             return 0
         return min(16, int(self.last_margin / 0.02))
 
-    def draft_lengths(self, adapters: list[str], caps: list[int], batch: int) -> list[int]:
+    def draft_lengths(self, adapters: list[str], caps: list[int], batch: int,
+                      left: list[int] | None = None) -> list[int]:
         """Per adapter sequence, a draft length in 0..min(k, cap).
 
         A cycle costs M = max(lengths) base passes plus one verify pass over sum(m + 1) tokens. For each M in
@@ -278,6 +280,13 @@ class Gate:
         second). M maximises the predicted rate. With nothing measured yet, M = 1: the cheapest cycle that
         measures both pass kinds.
 
+        `left` (each sequence's tokens to go) marks a closed batch: nothing waits to join it, so it is done
+        when its slowest sequence is. With a laggard among them (`_estimates`), the rate is the batch's tokens
+        over the time its slowest sequence takes, at this cycle or at plain steps (decide), and no draft is
+        pruned. Priced by tokens per second alone, a batch of mixed adapters kept cycling for its fast ones
+        while its slow ones fell behind, and then finished alone at a few tokens per cycle, up to 15% slower
+        over the batch than plain steps (the simulated test's mixed batches).
+
         Every adapter drafts in a cycle the others run: its first draft costs one verify token, next to
         nothing, and keeps its estimate current. Left out below `min_acceptance`, as an earlier version did,
         an unlucky adapter's sequences took one token per cycle (a third of plain decoding's rate, on a cycle
@@ -286,7 +295,7 @@ class Gate:
         k = self.cfg.num_draft_tokens
         if not self.cfg.gate:
             return [min(k, c) for c in caps]
-        accs = [self.adapter(n).ema for n in adapters]
+        accs = self._estimates(adapters, left)
         low = [a < self.cfg.min_acceptance for a in accs]
 
         def lengths(passes: int) -> list[int]:
@@ -298,18 +307,18 @@ class Gate:
         distinct = len(set(adapters))
         # The same inputs give the same lengths: in a run of plain steps (where only plain's price moves) the search
         # below, ~0.1 ms of host time at batch 32, would otherwise be paid again every step.
-        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version)
+        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version, self._closed_ok and tuple(left))
         if key == self._lengths_key:
             self._chosen = self._lengths_value
             return self._lengths_value[0]
         best, best_rate = lengths(1), None
         for passes in range(1, k + 1):
             cand = lengths(passes)
-            rate = self._rate(accs, cand, num_base, distinct)
+            rate = self._rate(accs, cand, num_base, distinct, left)
             if rate is None:
                 continue
             per_token = self.times.slope("lora", sum(cand) + len(cand) + num_base, distinct)
-            if per_token > 0 and passes > 1:
+            if per_token > 0 and passes > 1 and left is None:  # (a closed batch waits for its slowest: keep drafts)
                 worth = rate * per_token
                 pruned = [min(m, max(1, _useful_drafts(a, worth))) if m > 1 else m for m, a in zip(cand, accs)]
                 if pruned != cand:
@@ -319,6 +328,31 @@ class Gate:
         self._chosen = self._lengths_value = (best, best_rate)  # decide() on these lengths reuses the rate
         self._lengths_key = key
         return best
+
+    SHRINK_DRAFTS = 16.0  # judged drafts of the batch's pooled acceptance added to each estimate (closed batches)
+    EVIDENCE = 8.0  # judged drafts every adapter of a closed batch needs before its slowest sequence prices it
+    LAGGARD = 0.1  # how far below the pooled acceptance an estimate must be for its sequence to price the batch
+
+    def _estimates(self, adapters: list[str], left: list[int] | None) -> list[float]:
+        """Each sequence's acceptance (its adapter's estimate), and whether a closed batch (`left` given) is priced
+        by its slowest sequence (`_rate`). That takes a laggard: an estimate, pulled towards the batch's pooled
+        one by SHRINK_DRAFTS judged drafts, still LAGGARD below it, once every adapter has EVIDENCE judged
+        drafts. Otherwise the batch is priced by its tokens per second, as an open one:
+        - the slowest of 32 estimates of the same acceptance is low by chance, and priced by it, a batch of
+          equally good adapters went plain on a close call it should have drafted;
+        - on a first draft or two, one unlucky draft did the same, and plain steps learn nothing until a
+          probe (tests/engine_ext/test_gate_simulated.py)."""
+        accs = [self.adapter(n) for n in adapters]
+        self._closed_ok = False
+        if not left or min(a._judged_w for a in accs) < self.EVIDENCE:
+            return [a.ema for a in accs]
+        pooled = sum(a._accepted_w for a in accs) / sum(a._judged_w for a in accs)
+        k = self.SHRINK_DRAFTS
+        shrunk = [(a._accepted_w + k * pooled) / (a._judged_w + k) for a in accs]
+        if min(shrunk) > pooled - self.LAGGARD:
+            return [a.ema for a in accs]
+        self._closed_ok = True
+        return shrunk
 
     def note_step(self, adapters: list[str], lengths: list[int] | None) -> None:
         """After a step: the adapters that drafted nothing in it (every one, in a plain step) count it towards
@@ -339,7 +373,8 @@ class Gate:
         """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured)."""
         return self._rate([self.adapter(a).ema for a in adapters], lengths, num_base, len(set(adapters)))
 
-    def _rate(self, accs: list[float], lengths: list[int], num_base: int, distinct: int) -> float | None:
+    def _rate(self, accs: list[float], lengths: list[int], num_base: int, distinct: int,
+              left: list[int] | None = None) -> float | None:
         passes = max(lengths, default=0)
         if not passes:
             return None
@@ -349,10 +384,14 @@ class Gate:
         if t_base is None or t_verify is None:
             return None
         t_over = self.times.get("overhead", batch, 0) or 0.0  # once per cycle (greedy cycles; see above)
-        gained = sum(m + 1.0 if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a) for a, m in zip(accs, lengths))
-        return (gained + num_base * (passes + 1)) / (t_over + passes * t_base + t_verify)
+        t_cycle = t_over + passes * t_base + t_verify
+        gains = [m + 1.0 if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a) for a, m in zip(accs, lengths)]
+        if left and self._closed_ok:  # a closed batch with a laggard: its tokens over the time its slowest takes
+            return sum(left) / (max(n / g for n, g in zip(left, gains)) * t_cycle)
+        return (sum(gains) + num_base * (passes + 1)) / t_cycle
 
-    def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None) -> bool:
+    def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None,
+               left: list[int] | None = None) -> bool:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);
         False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them."""
         batch, distinct = len(adapters) + num_base, len(set(adapters))
@@ -372,18 +411,23 @@ class Gate:
             self.count("speculate_probe", f"{self.plain_streak} plain steps in a row: re-measure drafting")
             return True
         # Plain steps are their own kind: pricing plain at the nearest adapter-on pass (usually a larger verify
-        # pass) would make it look slower than it is, and speculation would then never measure plain. The
-        # nearest plain step serves a batch size not measured yet (as sequences finish, the batch shrinks).
-        t_plain = self.times.get("plain", batch, distinct)
+        # pass) would make it look slower than it is, and speculation would then never measure plain. A batch
+        # size (bucket) not measured yet is measured by one plain step: priced from a larger batch's step, as
+        # an earlier version did, plain looked dearer than it is as sequences finished, and a batch left with
+        # its slow-drafting sequences kept cycling where plain steps would have finished it sooner.
+        t_plain = self.times.get("plain", batch, distinct, exact=True)
         chosen, rate = self._chosen
-        spec_rate = rate if lengths is chosen and rate is not None else self.predicted_rate(adapters, lengths, num_base)
+        if lengths is not chosen or rate is None:
+            rate = self._rate(self._estimates(adapters, left), lengths, num_base, distinct, left)
+        spec_rate = rate
         if spec_rate is None:
             self.count("speculate_explore", "no base-only or adapter-on pass measured yet")
             return True
         if t_plain is None:
             self.count("plain_explore", "plain step time at this batch not measured yet")
             return False
-        plain_rate = (len(lengths) + num_base) / t_plain
+        closed = left and self._closed_ok
+        plain_rate = sum(left) / (max(left) * t_plain) if closed else (len(lengths) + num_base) / t_plain
         if spec_rate > plain_rate:
             self.count("speculate", f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
             return True

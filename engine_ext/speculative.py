@@ -108,8 +108,10 @@ class Speculator:
             self._reserve = True
         elif lora_seqs:
             caps = [self._cap(s) for s in lora_seqs]
-            lengths = self.gate.draft_lengths(names, caps, len(decoding))
-            speculate = self.gate.decide(names, lengths, len(base_seqs), caps)
+            # Nothing waiting: the batch is closed, and the gate prices the time to finish it (Gate.draft_lengths)
+            left = None if e.scheduler.waiting else [self._left(s) for s in lora_seqs]
+            lengths = self.gate.draft_lengths(names, caps, len(decoding), left)
+            speculate = self.gate.decide(names, lengths, len(base_seqs), caps, left)
             # Plain by a wide margin: the next steps of this batch are plain without the cost model or drafting
             # room (about 0.1 ms of host time a step at batch 32, some 3% of a plain step on the H200's host).
             self._hold, self._hold_names = (0 if speculate else self.gate.hold_steps()), names

@@ -29,13 +29,15 @@ RANK64 = Costs(base=1.3e-3, overhead=1.5e-3, plain=3.3e-3, lora0=2.0e-3, lora_pe
 RANK16 = Costs(base=1.3e-3, overhead=1.0e-3, plain=2.0e-3, lora0=1.75e-3, lora_per_token=6e-6)
 
 
-def decode_window(gate: Gate, costs: Costs, acceptance: float, gen: int = 256, batch: int = 32,
+def decode_window(gate: Gate, costs: Costs, acceptance: float | list[float], gen: int = 256, batch: int = 32,
                   seed: int = 0, noise: float = 0.0) -> float:
-    """Tokens per simulated second for `batch` sequences of `gen` tokens, one adapter each, driven as
+    """Tokens per simulated second for `batch` sequences of `gen` tokens, one adapter each (`acceptance`: one for
+    all, or each sequence's), driven as
     Speculator.step drives the gate (but for its plain holds, which skip re-pricing and change no decision; prefill
     steps are not timed or recorded; a plain step at a smaller batch
     costs proportionally less of its per-sequence part)."""
     rnd = random.Random(seed)
+    accept = acceptance if isinstance(acceptance, list) else [acceptance] * batch
 
     def jitter(t: float) -> float:  # the same pass measures differently from step to step
         return t * max(0.5, rnd.gauss(1.0, noise)) if noise else t
@@ -51,8 +53,9 @@ def decode_window(gate: Gate, costs: Costs, acceptance: float, gen: int = 256, b
         if gate.gated_off(adapters):
             gate.count("plain_low_acceptance", "simulated fast path")
         else:
-            lengths = gate.draft_lengths(adapters, caps, len(live))
-            if not gate.decide(adapters, lengths, 0, caps):
+            remaining = [left[i] for i in live]  # nothing waits: a closed batch, as Speculator.step passes it
+            lengths = gate.draft_lengths(adapters, caps, len(live), remaining)
+            if not gate.decide(adapters, lengths, 0, caps, remaining):
                 lengths = None
         gate.note_step(adapters, lengths)
         if lengths is None:
@@ -72,7 +75,7 @@ def decode_window(gate: Gate, costs: Costs, acceptance: float, gen: int = 256, b
         clock += t_over + sum(t_base) + t_verify
         for i, m in zip(live, lengths):
             accepted = 0
-            while accepted < m and rnd.random() < acceptance:
+            while accepted < m and rnd.random() < accept[i]:
                 accepted += 1
             if m:
                 gate.adapter(names[i]).observe(m, accepted, gate.cfg.acceptance_ema)
@@ -90,5 +93,23 @@ def test_gate_within_4_percent_of_the_better_mode(costs, acceptance):
     gate = Gate(SpecConfig(num_draft_tokens=4))
     cold = decode_window(gate, costs, acceptance)
     warm = decode_window(gate, costs, acceptance, seed=1)
+    assert cold >= 0.96 * best, (cold / best, dict(gate.decisions))
+    assert warm >= 0.96 * best, (warm / best, dict(gate.decisions))
+
+
+@pytest.mark.parametrize("mean,spread", [(0.9, 0.1), (0.8, 0.3), (0.7, 0.3), (0.6, 0.3)])
+def test_gate_within_4_percent_on_mixed_adapters(mean, spread):
+    """Adapters of different acceptance in one closed batch (nothing waiting): drafting for the fast ones leaves
+    the slow ones behind, and the batch ends with them alone. Priced by tokens per second only, the gate was
+    up to 15% slower over such a batch than plain steps; priced by its slowest sequence, within 4%."""
+    rnd = random.Random(int(mean * 100 + spread * 10))
+    accept = [min(0.999, max(0.0, rnd.gauss(mean, spread))) for _ in range(32)]
+    plain = 32 / RANK64.plain
+    forced = max(decode_window(Gate(SpecConfig(num_draft_tokens=k, gate=False)), RANK64, accept)
+                 for k in range(1, 5))
+    best = max(plain, forced)
+    gate = Gate(SpecConfig(num_draft_tokens=4))
+    cold = decode_window(gate, RANK64, accept)
+    warm = decode_window(gate, RANK64, accept, seed=1)
     assert cold >= 0.96 * best, (cold / best, dict(gate.decisions))
     assert warm >= 0.96 * best, (warm / best, dict(gate.decisions))

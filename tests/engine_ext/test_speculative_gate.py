@@ -153,22 +153,21 @@ def test_unmeasured_middle_cycle_is_priced_between_its_neighbours():
     assert gate.draft_lengths(names, [4] * 32, batch=32) == [4] * 32
 
 
-def test_plain_priced_at_the_nearest_plain_step_when_the_batch_shrinks():
-    """As sequences finish the batch falls into smaller buckets: plain is priced from the nearest plain step
-    (not re-explored at every bucket), and never from a verify pass."""
+def test_plain_measured_once_at_each_batch_size_as_the_batch_shrinks():
+    """As sequences finish the batch falls into smaller buckets: one plain step measures each (a larger batch's
+    step made plain look dearer than it is there), never a verify pass; a measured bucket is not explored again."""
     gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
     gate.adapter("x").ema = 0.9
     measure(gate, "base", 32, 0, 0.010)
-    measure(gate, "lora", 96, 32, 0.030)
-    measure(gate, "plain", 32, 32, 0.020)
-    assert gate.times.get("plain", 8, 8) == 0.020
+    measure(gate, "base", 8, 0, 0.009)
+    measure(gate, "lora", 96, 1, 0.030)
+    measure(gate, "plain", 32, 1, 0.020)
+    assert gate.times.get("plain", 8, 1, exact=True) is None
+    assert not gate.decide(["x"] * 8, [2] * 8, num_base=0) and gate.decisions["plain_explore"] == 1
+    measure(gate, "plain", 8, 1, 0.012)
     gate.decide(["x"] * 8, [2] * 8, num_base=0)
-    assert "plain_explore" not in gate.decisions
-    fresh = Gate(SpecConfig(num_draft_tokens=2, gate=True))
-    fresh.adapter("x").ema = 0.9
-    measure(fresh, "base", 32, 0, 0.010)
-    measure(fresh, "lora", 96, 32, 0.030)
-    assert not fresh.decide(["x"] * 32, [2] * 32, num_base=0) and fresh.decisions["plain_explore"] == 1
+    gate.decide(["x"] * 32, [2] * 32, num_base=0)
+    assert gate.decisions["plain_explore"] == 1 and sum(gate.decisions.values()) == 3
 
 
 @pytest.fixture(scope="module")
