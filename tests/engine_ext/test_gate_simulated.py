@@ -83,9 +83,9 @@ def decode_window(gate: Gate, costs: Costs, acceptance: float | list[float], gen
     return gen * batch / clock
 
 
-@pytest.mark.parametrize("costs", [RANK64, RANK16], ids=["rank64", "rank16"])
-@pytest.mark.parametrize("acceptance", [1.0, 0.985, 0.9, 0.8, 0.6, 0.3, 0.0])
-def test_gate_within_4_percent_of_the_better_mode(costs, acceptance):
+def assert_gate_near_the_better_mode(costs: Costs, acceptance: float | list[float]) -> None:
+    """The gate, cold (a new Gate) and then warm (the same Gate on a second window), within 4% of the better of
+    plain steps and forced drafting at k = 1..4 over the same window."""
     plain = 32 / costs.plain
     forced = max(decode_window(Gate(SpecConfig(num_draft_tokens=k, gate=False)), costs, acceptance)
                  for k in range(1, 5))
@@ -97,19 +97,16 @@ def test_gate_within_4_percent_of_the_better_mode(costs, acceptance):
     assert warm >= 0.96 * best, (warm / best, dict(gate.decisions))
 
 
+@pytest.mark.parametrize("costs", [RANK64, RANK16], ids=["rank64", "rank16"])
+@pytest.mark.parametrize("acceptance", [1.0, 0.985, 0.9, 0.8, 0.6, 0.3, 0.0])
+def test_gate_within_4_percent_of_the_better_mode(costs, acceptance):
+    assert_gate_near_the_better_mode(costs, acceptance)
+
+
 @pytest.mark.parametrize("mean,spread", [(0.9, 0.1), (0.8, 0.3), (0.7, 0.3), (0.6, 0.3)])
 def test_gate_within_4_percent_on_mixed_adapters(mean, spread):
     """Adapters of different acceptance in one closed batch (nothing waiting): drafting for the fast ones leaves
     the slow ones behind, and the batch ends with them alone. Priced by tokens per second only, the gate was
-    up to 15% slower over such a batch than plain steps; priced by its slowest sequence, within 4%."""
+    14-16% slower over such a batch than plain steps; priced by its slowest sequence, within 4%."""
     rnd = random.Random(int(mean * 100 + spread * 10))
-    accept = [min(0.999, max(0.0, rnd.gauss(mean, spread))) for _ in range(32)]
-    plain = 32 / RANK64.plain
-    forced = max(decode_window(Gate(SpecConfig(num_draft_tokens=k, gate=False)), RANK64, accept)
-                 for k in range(1, 5))
-    best = max(plain, forced)
-    gate = Gate(SpecConfig(num_draft_tokens=4))
-    cold = decode_window(gate, RANK64, accept)
-    warm = decode_window(gate, RANK64, accept, seed=1)
-    assert cold >= 0.96 * best, (cold / best, dict(gate.decisions))
-    assert warm >= 0.96 * best, (warm / best, dict(gate.decisions))
+    assert_gate_near_the_better_mode(RANK64, [min(0.999, max(0.0, rnd.gauss(mean, spread))) for _ in range(32)])
