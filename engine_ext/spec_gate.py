@@ -225,11 +225,11 @@ class Gate:
         self.base_probe_interval = probe_interval
         self.probe_backoff = 1  # doubles after each probe that ends in plain again, up to MAX_PROBE_BACKOFF
         self._probed = False  # the last cycle was a probe, and no decision since has judged it
-        self._chosen: tuple[list[int] | None, float | None] = (None, None)  # draft_lengths' last pick and its rate
+        # draft_lengths' last pick, its rate, and the closed batch's tokens to go when its slowest prices it
+        self._chosen: tuple[list[int] | None, float | None, list[int] | None] = (None, None, None)
         self._lengths_key: tuple | None = None
         self.last_margin: float | None = None
-        self._closed_ok = False
-        self._lengths_value: tuple[list[int] | None, float | None] = (None, None)
+        self._lengths_value: tuple[list[int] | None, float | None, list[int] | None] = (None, None, None)
         self.plain_streak = 0  # consecutive plain decisions; a probe cycle refreshes stale measurements
 
     MAX_PROBE_BACKOFF = 8
@@ -295,7 +295,7 @@ class Gate:
         k = self.cfg.num_draft_tokens
         if not self.cfg.gate:
             return [min(k, c) for c in caps]
-        accs = self._estimates(adapters, left)
+        accs, slowest = self._estimates(adapters, left)
         low = [a < self.cfg.min_acceptance for a in accs]
 
         def lengths(passes: int) -> list[int]:
@@ -307,14 +307,14 @@ class Gate:
         distinct = len(set(adapters))
         # The same inputs give the same lengths: in a run of plain steps (where only plain's price moves) the search
         # below, ~0.1 ms of host time at batch 32, would otherwise be paid again every step.
-        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version, self._closed_ok and tuple(left))
+        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version, slowest and tuple(slowest))
         if key == self._lengths_key:
             self._chosen = self._lengths_value
             return self._lengths_value[0]
         best, best_rate = lengths(1), None
         for passes in range(1, k + 1):
             cand = lengths(passes)
-            rate = self._rate(accs, cand, num_base, distinct, left)
+            rate = self._rate(accs, cand, num_base, distinct, slowest)
             if rate is None:
                 continue
             per_token = self.times.slope("lora", sum(cand) + len(cand) + num_base, distinct)
@@ -325,7 +325,7 @@ class Gate:
                     cand, rate = pruned, self._rate(accs, pruned, num_base, distinct)
             if best_rate is None or rate > best_rate:
                 best, best_rate = cand, rate
-        self._chosen = self._lengths_value = (best, best_rate)  # decide() on these lengths reuses the rate
+        self._chosen = self._lengths_value = (best, best_rate, slowest)  # decide() on these lengths reuses them
         self._lengths_key = key
         return best
 
@@ -333,9 +333,9 @@ class Gate:
     EVIDENCE = 8.0  # judged drafts every adapter of a closed batch needs before its slowest sequence prices it
     LAGGARD = 0.1  # how far below the pooled acceptance an estimate must be for its sequence to price the batch
 
-    def _estimates(self, adapters: list[str], left: list[int] | None) -> list[float]:
-        """Each sequence's acceptance (its adapter's estimate), and whether a closed batch (`left` given) is priced
-        by its slowest sequence (`_rate`). That takes a laggard: an estimate, pulled towards the batch's pooled
+    def _estimates(self, adapters: list[str], left: list[int] | None) -> tuple[list[float], list[int] | None]:
+        """Each sequence's acceptance (its adapter's estimate), and `left` again if the closed batch is priced by
+        its slowest sequence (`_rate`), else None. That takes a laggard: an estimate, pulled towards the batch's pooled
         one by SHRINK_DRAFTS judged drafts, still LAGGARD below it, once every adapter has EVIDENCE judged
         drafts. Otherwise the batch is priced by its tokens per second, as an open one:
         - the slowest of 32 estimates of the same acceptance is low by chance, and priced by it, a batch of
@@ -343,20 +343,18 @@ class Gate:
         - on a first draft or two, one unlucky draft did the same, and plain steps learn nothing until a
           probe (tests/engine_ext/test_gate_simulated.py)."""
         accs = [self.adapter(n) for n in adapters]
-        self._closed_ok = False
         if not left or min(a._judged_w for a in accs) < self.EVIDENCE:
-            return [a.ema for a in accs]
+            return [a.ema for a in accs], None
         pooled = sum(a._accepted_w for a in accs) / sum(a._judged_w for a in accs)
         k = self.SHRINK_DRAFTS
         shrunk = [(a._accepted_w + k * pooled) / (a._judged_w + k) for a in accs]
         if min(shrunk) > pooled - self.LAGGARD:
-            return [a.ema for a in accs]
-        self._closed_ok = True
-        return shrunk
+            return [a.ema for a in accs], None
+        return shrunk, left
 
     def note_step(self, adapters: list[str], lengths: list[int] | None) -> None:
-        """After a step: the adapters that drafted nothing in it (every one, in a plain step) count it towards
-        their re-measure (`idle_steps`), so an adapter left out of cycles is re-measured too."""
+        """After a step: the adapters that drafted nothing in it (every one, in a plain step; in a cycle, one whose
+        sequences were a token from their end) count it towards their re-measure (`idle_steps`)."""
         drafting = set() if lengths is None else {n for n, m in zip(adapters, lengths) if m}
         for name in set(adapters) - drafting:
             self.adapter(name).idle_steps += 1
@@ -374,7 +372,9 @@ class Gate:
         return self._rate([self.adapter(a).ema for a in adapters], lengths, num_base, len(set(adapters)))
 
     def _rate(self, accs: list[float], lengths: list[int], num_base: int, distinct: int,
-              left: list[int] | None = None) -> float | None:
+              slowest: list[int] | None = None) -> float | None:
+        """predicted_rate's arithmetic. `slowest`: a closed batch's tokens to go, when its slowest sequence prices
+        it (`_estimates`): the batch's tokens over the time that sequence takes at this cycle."""
         passes = max(lengths, default=0)
         if not passes:
             return None
@@ -385,9 +385,9 @@ class Gate:
             return None
         t_over = self.times.get("overhead", batch, 0) or 0.0  # once per cycle (greedy cycles; see above)
         t_cycle = t_over + passes * t_base + t_verify
-        gains = [m + 1.0 if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a) for a, m in zip(accs, lengths)]
-        if left and self._closed_ok:  # a closed batch with a laggard: its tokens over the time its slowest takes
-            return sum(left) / (max(n / g for n, g in zip(left, gains)) * t_cycle)
+        gains = [expected_tokens(a, m) for a, m in zip(accs, lengths)]
+        if slowest:
+            return sum(slowest) / (max(n / g for n, g in zip(slowest, gains)) * t_cycle)
         return (sum(gains) + num_base * (passes + 1)) / t_cycle
 
     def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None,
@@ -416,18 +416,17 @@ class Gate:
         # an earlier version did, plain looked dearer than it is as sequences finished, and a batch left with
         # its slow-drafting sequences kept cycling where plain steps would have finished it sooner.
         t_plain = self.times.get("plain", batch, distinct, exact=True)
-        chosen, rate = self._chosen
-        if lengths is not chosen or rate is None:
-            rate = self._rate(self._estimates(adapters, left), lengths, num_base, distinct, left)
-        spec_rate = rate
+        chosen, spec_rate, slowest = self._chosen
+        if lengths is not chosen or spec_rate is None:
+            accs, slowest = self._estimates(adapters, left)
+            spec_rate = self._rate(accs, lengths, num_base, distinct, slowest)
         if spec_rate is None:
             self.count("speculate_explore", "no base-only or adapter-on pass measured yet")
             return True
         if t_plain is None:
             self.count("plain_explore", "plain step time at this batch not measured yet")
             return False
-        closed = left and self._closed_ok
-        plain_rate = sum(left) / (max(left) * t_plain) if closed else (len(lengths) + num_base) / t_plain
+        plain_rate = sum(slowest) / (max(slowest) * t_plain) if slowest else (len(lengths) + num_base) / t_plain
         if spec_rate > plain_rate:
             self.count("speculate", f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
             return True
