@@ -284,7 +284,7 @@ class Gate:
         when its slowest sequence is. With a laggard among them (`_estimates`), the rate is the batch's tokens
         over the time its slowest sequence takes, at this cycle or at plain steps (decide), and no draft is
         pruned. Priced by tokens per second alone, a batch of mixed adapters kept cycling for its fast ones
-        while its slow ones fell behind, and then finished alone at a few tokens per cycle, up to 15% slower
+        while its slow ones fell behind, and then finished alone at a few tokens per cycle, 14-16% slower
         over the batch than plain steps (the simulated test's mixed batches).
 
         Every adapter drafts in a cycle the others run: its first draft costs one verify token, next to
