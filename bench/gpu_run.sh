@@ -36,9 +36,23 @@ for step in $STEPS; do
         >"$OUT/ab.log" 2>&1
       echo "ab rc $?"; cat "$OUT/ab.log"
       if [ -s "$OUT/best.env" ]; then . "$OUT/best.env"; echo "exported: $(cat "$OUT/best.env" | tr '\n' ' ')"; fi ;;
-    tests)  # point 5
-      timeout 240 python3 -m pytest -m gpu tests/engine_ext/gpu -q -p no:cacheprovider $XDIST >"$OUT/gpu_tests.log" 2>&1
+    tests)  # every gpu-marked engine test (the open-loop stress suite's CUDA backend and the 1B/8B shapes included)
+      timeout 420 python3 -m pytest -m gpu tests/engine_ext -q -p no:cacheprovider $XDIST >"$OUT/gpu_tests.log" 2>&1
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
+    load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst
+      timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
+        --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null
+      echo "load8b rc $?"; grep '^run ' "$OUT/load8b.log" ;;
+    coldstart)  # 300 requests at 10/s right after start-up from an empty Triton cache, then again with it filled
+      for spec in 0 4; do
+        rm -rf "/tmp/triton-cache-$spec"
+        for run in cold warm; do
+          timeout 200 python3 bench/serve_load.py --shape llama-3.2-1b --spec $spec --runs poisson:10 --requests 300 \
+            --compile-cache "/tmp/triton-cache-$spec" --out "$OUT/start-spec$spec-$run.json" \
+            2>"$OUT/start-spec$spec-$run.log" >/dev/null
+          echo "coldstart spec $spec $run rc $?"; grep '^run \|^startup' "$OUT/start-spec$spec-$run.log"
+        done
+      done ;;
     forward)  # points 1, 2 and 4 (copy-engine graph inputs)
       timeout 200 python3 bench/decode.py --ranks 16 --batches 1 32 --adapters 0 32 --sections forward load \
         --out "$OUT/forward.json" 2>&1 | quiet >"$OUT/forward.log"

@@ -54,6 +54,17 @@ class EngineConfig:
     cuda_graphs: bool = False
     max_graph_tokens: int = 512
     speculative: SpecConfig | None = None
+    # Start-up: compile every kernel variant and capture every CUDA graph the engine can use before it
+    # takes requests (ModelRunner.warm_up), so no request waits for a compile. Only the GPU kernels
+    # compile; the plain-torch path has nothing to warm.
+    warmup: bool = True
+    # Where Triton keeps compiled kernels (None: Triton's own default, ~/.triton/cache). A directory that
+    # outlives the process (a volume in a pod) makes the next start-up's compiles cache hits.
+    compile_cache_dir: str | None = None
+    # Debug mode: every forward's indices (token ids, positions, block tables, adapter slots, logits rows)
+    # are checked on the host against the buffers they address before the forward runs; a violation
+    # raises ForwardInputError instead of an illegal memory access on the device. Costs host time.
+    debug_checks: bool = False
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .attention import AttnMetadata
-from .batch import SeqWork
+from .batch import ForwardInputError, ForwardLimits, SeqWork, check_work
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +57,19 @@ def pack_decode_batch(work: list[SeqWork], block_size: int, zero_slot: int, scra
                       rows: np.ndarray, tables: np.ndarray) -> tuple[int, int]:
     """Fill rows [7, >=bucket] and tables [>=bucket+1, W] for one padded forward; returns (T, N logits).
 
-    Same token order and logits order as batch.build_forward_batch; tokens T..bucket are padding."""
+    Same token order and logits order as batch.build_forward_batch; tokens T..bucket are padding. The
+    buffers are reused from forward to forward, so every entry the graph reads (columns < bucket of every
+    row, table rows <= the number of sequences) is written here: nothing is left over from an earlier batch.
+    In particular the logits row gathers all `bucket` rows of the final hidden states, and an index left
+    over from a larger batch would read past the end of this bucket's buffer."""
     lens = np.fromiter((len(w.token_ids) for w in work), dtype=np.int64, count=len(work))
     nlog = np.fromiter((w.num_logits for w in work), dtype=np.int64, count=len(work))
     num_seqs, num_tokens, num_logits = len(work), int(lens.sum()), int(nlog.sum())
     if num_tokens > bucket:
         raise ValueError(f"{num_tokens} tokens do not fit the {bucket}-token graph")
+    tables[: num_seqs + 1] = scratch_block
     for i, w in enumerate(work):
         tables[i, : len(w.block_table)] = w.block_table
-    tables[num_seqs, 0] = scratch_block
     ends = np.cumsum(lens)
     seq = np.repeat(np.arange(num_seqs), lens)
     qidx = np.arange(num_tokens) - np.repeat(ends - lens, lens)
@@ -83,15 +87,39 @@ def pack_decode_batch(work: list[SeqWork], block_size: int, zero_slot: int, scra
     rows[_LORA, num_tokens:bucket] = zero_slot
     log_ends = np.cumsum(nlog)
     rows[_LOGITS, :num_logits] = np.repeat(ends - nlog, nlog) + np.arange(num_logits) - np.repeat(log_ends - nlog, nlog)
+    rows[_LOGITS, num_logits:bucket] = 0  # rows nobody reads, gathered from token 0 of this forward
     return num_tokens, num_logits
+
+
+def check_packed(rows: np.ndarray, tables: np.ndarray, num_seqs: int, num_tokens: int, num_logits: int, bucket: int,
+                 limits: ForwardLimits, scratch_block: int) -> None:
+    """Raise ForwardInputError unless every index a `bucket`-token graph reads from the packed buffers stays in
+    its captured buffers: the debug-mode check of what pack_decode_batch wrote, before the replay."""
+    def within(name: str, values: np.ndarray, high: int) -> None:
+        if values.size and (values.min() < 0 or values.max() >= high):
+            raise ForwardInputError(f"{name} outside [0, {high}) in a {bucket}-token graph: "
+                                    f"{values.min()}..{values.max()}")
+
+    cols = slice(0, bucket)
+    within("token ids", rows[_IDS, cols], limits.vocab_size)
+    within("positions", rows[_POS, cols], limits.max_positions)
+    within("KV slots", rows[_KV_SLOT, cols], (scratch_block + 1) * limits.block_size)
+    within("sequence indices", rows[_SEQ, cols], num_seqs + 1)
+    within("query indices", rows[_QIDX, cols], bucket)
+    within("adapter slots", rows[_LORA, cols], limits.num_slots)
+    within("logits rows", rows[_LOGITS, :num_logits], num_tokens)
+    within("logits rows", rows[_LOGITS, cols], bucket)
+    within("block tables", tables[: num_seqs + 1], scratch_block + 1)
 
 
 class DecodeGraphs:
     """Captured forwards of `model` at bucketed token counts, replayed for decode-shaped batches."""
 
     def __init__(self, model, kv_caches, lora_op, attn_op, block_size: int, max_blocks_per_seq: int,
-                 scratch_block: int, max_tokens: int, device: torch.device, group_lora_op=None):
+                 scratch_block: int, max_tokens: int, device: torch.device, group_lora_op=None,
+                 limits: ForwardLimits | None = None):
         self.model, self.kv_caches, self.lora_op, self.attn_op = model, kv_caches, lora_op, attn_op
+        self.limits = limits  # debug mode: every replay's inputs are bounds-checked on the host first
         self.group_lora_op = group_lora_op
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
         self.buckets = graph_buckets(max_tokens)
@@ -182,9 +210,14 @@ class DecodeGraphs:
         total = sum(len(w.token_ids) for w in work)
         bucket = next(b for b in self.buckets if b >= total)
         use_lora = use_lora and any(w.lora_slot != slots.zero_slot for w in work)
+        if self.limits is not None:
+            check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
         host = self._free_host_buffers()
-        _, num_logits = pack_decode_batch(work, self.block_size, slots.zero_slot, self.scratch_block, bucket,
-                                          host.np_rows, host.np_tables)
+        num_tokens, num_logits = pack_decode_batch(work, self.block_size, slots.zero_slot, self.scratch_block,
+                                                   bucket, host.np_rows, host.np_tables)
+        if self.limits is not None:
+            check_packed(host.np_rows, host.np_tables, len(work), num_tokens, num_logits, bucket, self.limits,
+                         self.scratch_block)
         moved = _pack_token_src(token_src, host.np_rows)
         self.rows.copy_(host.rows, non_blocking=True)
         self.tables[: len(work) + 1].copy_(host.tables[: len(work) + 1], non_blocking=True)

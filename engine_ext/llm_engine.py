@@ -35,6 +35,7 @@ def load_tokenizer(model_dir: str):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
         self.config = config
         self.device = torch.device(config.device)
         self.spec = load_model_spec(config.model)
@@ -61,6 +62,13 @@ class LLMEngine:
             from .speculative import Speculator
 
             self.speculator = Speculator(self, config.speculative)  # wraps step(); see speculative.py
+        # Ready only once every kernel the steps can launch is compiled and every CUDA graph captured.
+        self.startup = {"load_s": time.perf_counter() - start}
+        if config.warmup:
+            self.startup |= self.runner.warm_up(self.adapters.slots, self.blocks, config.max_num_batched_tokens)
+        self.startup["total_s"] = time.perf_counter() - start
+        logger.info("engine ready in %.1f s (%s)", self.startup["total_s"],
+                    ", ".join(f"{k} {v:.1f}" for k, v in self.startup.items() if k != "total_s"))
 
     # ---------------------------------------------------------------- adapters
     def add_adapter(self, name: str, path: str, pinned: bool = False) -> None:
@@ -223,6 +231,7 @@ class LLMEngine:
             "total_kv_blocks": self.blocks.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "startup": dict(self.startup),  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
             "device_adapters": self.adapters.slots.resident,
             "host_adapters": self.adapters.host_resident,
             "base": dict(self.base_counters),

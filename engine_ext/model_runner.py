@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from .adapter_slots import AdapterSlots
 from .attention import get_attention_kernel
-from .batch import ForwardBatch, SeqWork, build_forward_batch
+from .batch import ForwardBatch, ForwardLimits, SeqWork, build_forward_batch, check_work
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .lora_ops import get_group_lora_op, get_lora_op
 from .model import CausalLM, LoRABatch
@@ -51,9 +53,14 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
         if "triton" in (config.lora_backend, config.attn_backend):
-            from .kernels import install
+            from .kernels import install, set_cache_dir
 
+            if config.compile_cache_dir:
+                set_cache_dir(config.compile_cache_dir)
             install()
+        # Debug mode: the bounds every forward's indices are checked against (batch.check_work)
+        self.limits = ForwardLimits(spec.vocab_size, self.max_positions, self.num_blocks, config.block_size,
+                                    config.max_loras + 1) if config.debug_checks else None
         self.lora_op = get_lora_op(config.lora_backend)
         self.group_lora_op = get_group_lora_op(config.lora_backend)
         if config.attn_backend == "triton":  # on a GPU: the layer's element-wise work as fused kernels too
@@ -96,6 +103,8 @@ class ModelRunner:
 
     def _run_eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool,
                    tokens: torch.Tensor | None = None, token_src: list[int] | None = None) -> torch.Tensor:
+        if self.limits is not None:
+            check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
         batch: ForwardBatch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device)
         moved = [t for t, src in enumerate(token_src or ()) if src >= 0]
         if moved:
@@ -107,6 +116,49 @@ class ModelRunner:
             lora = LoRABatch.from_slots(self.lora_op, batch.lora_slots, slots, self.group_lora_op)
         return self.model(batch.input_ids, batch.attn, self.kv_caches, batch.logits_indices, lora)
 
+    @torch.inference_mode()
+    def warm_up(self, slots: AdapterSlots, blocks: BlockManager, max_num_batched_tokens: int) -> dict[str, float]:
+        """Compile every kernel variant and capture every CUDA graph that serving can launch, before the first
+        request: the graphs (each bucket, adapters on and off: plain steps, drafting and verify passes), then
+        eager forwards of the sizes the graphs do not take (prefills past the largest bucket; every bucket size
+        when there are no graphs), at token and sequence counts that cover the size classes Triton
+        specialises kernels on (1, multiples of 16, others). Returns the seconds each part took."""
+        if self.device.type != "cuda" or "triton" not in (self.config.lora_backend, self.config.attn_backend):
+            return {}  # the plain-torch kernels have nothing to compile
+        out = {}
+        if self.graphs is not None:
+            out["graph_capture_s"] = self.graphs.capture(slots)
+        start = time.perf_counter()
+        from .cuda_graphs import graph_buckets
+
+        first = self.graphs.buckets[-1] + 1 if self.graphs is not None else 1
+        edge = -(-first // 16) * 16  # the first multiple of 16 the eager path takes
+        shapes = [(edge, 1), (edge + 1, 2), (edge + 16, 16)]
+        if self.graphs is None:
+            shapes = [(b, b) for b in graph_buckets(self.config.max_graph_tokens)] + shapes
+        max_len = self.max_positions - 1
+        for tokens, seqs in shapes:
+            seqs = max(seqs, -(-tokens // max_len))
+            if tokens > max_num_batched_tokens or seqs > tokens:
+                continue
+            lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+            tables: list[list[int]] = [[] for _ in lens]
+            if blocks.num_free < sum(-(-n // blocks.block_size) for n in lens):
+                logger.warning("warm-up: no KV room for a %d-token forward; it compiles on first use", tokens)
+                continue
+            for table, n in zip(tables, lens):
+                blocks.allocate(table, n)
+            try:
+                for slot in (slots.zero_slot, 0):  # adapters off, then on (slot 0 is empty at start-up)
+                    work = [SeqWork([0] * n, 0, t, slot) for n, t in zip(lens, tables)]
+                    self._run_eager(work, slots, use_lora=slot != slots.zero_slot)
+            finally:
+                for table in tables:
+                    blocks.free(table)
+        torch.cuda.synchronize(self.device)
+        out["eager_warmup_s"] = time.perf_counter() - start
+        return out
+
     def _decode_graphs(self):
         """CUDA graphs for forwards of up to max_graph_tokens tokens (captured on first use)."""
         from .cuda_graphs import DecodeGraphs
@@ -115,4 +167,4 @@ class ModelRunner:
         width = -(-self.max_positions // cfg.block_size)
         return DecodeGraphs(self.model, self.kv_caches, self.lora_op, self.attn_kernel, cfg.block_size, width,
                             scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device,
-                            group_lora_op=self.group_lora_op)
+                            group_lora_op=self.group_lora_op, limits=self.limits)

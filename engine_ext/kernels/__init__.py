@@ -7,7 +7,7 @@ build of the engine never needs it.
 
 from __future__ import annotations
 
-__all__ = ["install", "triton_available"]
+__all__ = ["install", "set_cache_dir", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -28,3 +28,13 @@ def install() -> None:
 
     register_lora_backend("triton", add_lora_triton, add_lora_group_triton)
     register_attention_backend("triton", paged_attention_triton)
+
+
+def set_cache_dir(path: str) -> None:
+    """Keep Triton's compiled kernels in `path` (created if missing), for this process's later compiles."""
+    import os
+
+    from triton import knobs
+
+    os.makedirs(path, exist_ok=True)
+    knobs.cache.dir = path
