@@ -78,11 +78,15 @@ def logprob(hf, adapter: str | None, prefix: str, continuation: str) -> float:
     return logp[len(p_ids) - 1:].sum().item()
 
 
-def test_docs_adapter_writes_a_docstring_after_a_def_line(hf):
-    prompt = "def read(self, size):\n"
-    base, docs = greedy(hf, prompt, None), greedy(hf, prompt, "docs")
-    assert '    """' in docs, docs                  # the base never saw docstrings: they are this domain
-    assert '"""' not in base, base
+@pytest.mark.parametrize("prompt", ["def read(self, size):\n", "def close(self):\n", "def parse(text):\n"])
+def test_docs_adapter_expects_a_docstring_after_a_def_line(hf, prompt):
+    """The base never saw docstrings (they are stripped from its corpus): they are this adapter's domain. Judged by
+    likelihood, since how far its greedy text gets into a docstring depends on the build's library versions (a
+    transformers 5.24 / tokenizers 0.23 build starts one only on some def lines, the rest repeat a token)."""
+    docstring = '    """Return the value."""\n'
+    gain = logprob(hf, "docs", prompt, docstring) - logprob(hf, None, prompt, docstring)
+    assert gain > 10.0, gain                      # nats over ~8 tokens (about 20 on the builds seen so far)
+    assert '"""' not in greedy(hf, prompt, None)
 
 
 def test_tests_adapter_prefers_unittest_assertions(hf):
@@ -94,13 +98,30 @@ def test_tests_adapter_prefers_unittest_assertions(hf):
 
 
 def test_dquote_adapter_shifts_preference_to_double_quotes(hf):
-    prefix = "def main():\n    parser = argparse.ArgumentParser()\n    parser.add_argument("
-    single, double = "'--name', default='x')\n", '"--name", default="x")\n'
+    """The nearest adapter (30 light steps) learned its style and little else: on its held-out text it raises the
+    log-probability of the tokens that hold a double quote, and barely moves the others. Judged over every such
+    token rather than one prompt, whose margin moves with the build's library versions (+1.3 nats on one build,
+    +0.1 on a transformers 5.24 / tokenizers 0.23 build)."""
+    from engine_ext.demo.corpus import build_domains, stdlib_root
+    from engine_ext.demo.recipe import DEFAULT_RECIPE
+    from engine_ext.demo.tokenizer import encode_documents
+    from engine_ext.demo.train import pack
 
-    def shift(adapter):
-        return logprob(hf, adapter, prefix, double) - logprob(hf, adapter, prefix, single)
-
-    assert shift("dquote") > shift(None) + 1.0, (shift("dquote"), shift(None))
+    tok, model = hf
+    domains = build_domains(stdlib_root(), DEFAULT_RECIPE.corpus)
+    blocks = pack(encode_documents(tok, domains["dquote"].heldout), DEFAULT_RECIPE.eval_seq_len)
+    blocks = blocks[: DEFAULT_RECIPE.eval_blocks]
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = torch.log_softmax(model(input_ids=blocks).logits[:, :-1], -1)
+        model.set_adapter("dquote")
+        tuned = torch.log_softmax(model(input_ids=blocks).logits[:, :-1], -1)
+    targets = blocks[:, 1:, None]
+    gain = (tuned.gather(-1, targets) - base.gather(-1, targets))[..., 0]
+    quoted = torch.tensor(['"' in tok.decode([i]) for i in range(len(tok))])[blocks[:, 1:]]
+    assert quoted.sum() >= 10
+    on_quotes, elsewhere = gain[quoted].mean().item(), gain[~quoted].mean().item()
+    assert on_quotes > 0.05 and on_quotes > 10 * abs(elsewhere), (on_quotes, elsewhere)
 
 
 def test_agreement_in_metrics_is_reproduced_by_transformers_peft(hf, demo_paths):
