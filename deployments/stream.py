@@ -9,6 +9,7 @@ client noticing; one that fails after ends the stream with an OpenAI-format erro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
@@ -81,7 +82,10 @@ class StreamRun:
     async def _open(self) -> dict:
         """The first chunk of a replica's stream; a replica that fails before it is replaced, up to deps.retries times."""
         for attempt in range(self.deps.retries + 1):
-            self._it = self.deps.llm.stream(self.req).__aiter__()
+            # A retry gets its own engine request id: the failed attempt's may still be aborting on that replica.
+            req = self.req if not self.retries else dataclasses.replace(
+                self.req, request_id=f"{self.req.request_id}-retry{self.retries}")
+            self._it = self.deps.llm.stream(req).__aiter__()
             try:
                 return await self._it.__anext__()
             except StopAsyncIteration:
