@@ -310,8 +310,9 @@ class LLMServer:
                        "logprobs": self._logprob_entries(out)}
             if out.finished:
                 finish[i], tokens[i] = out.finish_reason or "stop", len(out.token_ids)
-        yield {"type": "end", "finish_reasons": finish, "completion_tokens": tokens,
-               "prompt_tokens": sum(len(ids) for ids in prompts), "snapshot": self.snapshot(req.adapter_key)}
+        yield {"type": "end", "finish_reason": finish[0], "completion_tokens": sum(tokens.values()),
+               "finish_reasons": finish, "choice_tokens": tokens, "prompt_tokens": sum(len(ids) for ids in prompts),
+               "snapshot": self.snapshot(req.adapter_key)}
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, key: Optional[str]) -> dict[str, Any]:

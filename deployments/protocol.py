@@ -4,8 +4,9 @@ Chunks are plain dicts (cheap to pickle through Ray), in this order:
   {"type": "start", "replica", "adapter_hit", "load_s", "started_at", "prompt_tokens", "num_running"}
   {"type": "delta", "index", "text", "num_tokens", "logprobs"}      zero or more, any choice's
       logprobs: None, or one [token text, logprob, [[text, logprob], ...top]] per token of the delta
-  {"type": "end", "finish_reasons": {index: reason}, "completion_tokens": {index: n}, "prompt_tokens", "snapshot"}
-or at any point {"type": "error", "status", "code", "message", "param"} as the last chunk.
+  {"type": "end", "finish_reason" (choice 0's), "completion_tokens" (all choices'), "finish_reasons": {index: reason},
+   "choice_tokens": {index: n}, "prompt_tokens", "snapshot"}
+or at any point {"type": "error", "status", "code", "message"[, "param"]} as the last chunk.
 A request has `len(inputs()) * n` choices; choice `i * n + j` is sample j of prompt i.
 """
 
@@ -54,4 +55,5 @@ class GenerateRequest:
 
 
 def error_chunk(status: int, code: str, message: str, param: Optional[str] = None) -> dict[str, Any]:
-    return {"type": "error", "status": status, "code": code, "message": message, "param": param}
+    chunk = {"type": "error", "status": status, "code": code, "message": message}
+    return chunk if param is None else {**chunk, "param": param}

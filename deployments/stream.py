@@ -225,7 +225,8 @@ class StreamRun:
         m = self.deps.metrics
         for i, reason in chunk.get("finish_reasons", {}).items():
             self.choices[int(i)].finish_reason = reason
-        for i, n in chunk.get("completion_tokens", {}).items():
+        self.choices[0].finish_reason = self.choices[0].finish_reason or chunk.get("finish_reason")
+        for i, n in chunk.get("choice_tokens", {0: chunk.get("completion_tokens", 0)}).items():
             self.choices[int(i)].tokens = int(n)
         self.prompt_tokens = int(chunk.get("prompt_tokens", self.prompt_tokens))
         m.prompt_tokens.labels(*self.labels).inc(self.prompt_tokens)

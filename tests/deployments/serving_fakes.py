@@ -68,7 +68,8 @@ class FakeLLM:
                     await asyncio.sleep(self.delay_s)
                 yield {"type": "delta", "index": i, "text": w + " ", "num_tokens": 1, "logprobs": None}
         finish = {i: "length" if len(ws) == req.sampling["max_tokens"] else "stop" for i, ws in enumerate(words)}
-        yield {"type": "end", "finish_reasons": finish, "prompt_tokens": 3,
-               "completion_tokens": {i: len(ws) for i, ws in enumerate(words)},
+        yield {"type": "end", "finish_reason": finish[0], "finish_reasons": finish, "prompt_tokens": 3,
+               "completion_tokens": sum(len(ws) for ws in words),
+               "choice_tokens": {i: len(ws) for i, ws in enumerate(words)},
                "snapshot": {"num_running": 1, "adapters": {req.adapter_key or "-": {"hits": 4, "loads": 1, "acceptance_rate": 0.75,
                                                                        "load_seconds": 0.5}}}}
