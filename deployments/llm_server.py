@@ -304,12 +304,16 @@ class LLMServer:
         yield {"type": "start", "replica": self.replica_id, "adapter_hit": hit, "started_at": started_at,
                "prompt_tokens": sum(len(ids) for ids in prompts), "num_running": self._stats.get("num_running")}
         finish, tokens = {}, {}
-        async for i, out in _merge(streams, firsts):
-            if out.new_token_ids or out.delta_text:
-                yield {"type": "delta", "index": i, "text": out.delta_text, "num_tokens": len(out.new_token_ids),
-                       "logprobs": self._logprob_entries(out)}
-            if out.finished:
-                finish[i], tokens[i] = out.finish_reason or "stop", len(out.token_ids)
+        merged = _merge(streams, firsts)
+        try:
+            async for i, out in merged:
+                if out.new_token_ids or out.delta_text:
+                    yield {"type": "delta", "index": i, "text": out.delta_text, "num_tokens": len(out.new_token_ids),
+                           "logprobs": self._logprob_entries(out)}
+                if out.finished:
+                    finish[i], tokens[i] = out.finish_reason or "stop", len(out.token_ids)
+        finally:
+            await merged.aclose()  # the caller went away: abort every unfinished choice now
         yield {"type": "end", "finish_reason": finish[0], "completion_tokens": sum(tokens.values()),
                "finish_reasons": finish, "choice_tokens": tokens, "prompt_tokens": sum(len(ids) for ids in prompts),
                "snapshot": self.snapshot(req.adapter_key)}

@@ -4,6 +4,7 @@ A replica failure is injected where Ray would raise it: the transport around the
 `ReplicaUnavailable` (what `ServeLLMClient` turns Ray's actor errors into); test_replica_failure_load kills real
 Serve replicas."""
 
+import asyncio
 import dataclasses
 import re
 
@@ -205,3 +206,27 @@ def test_redis_outage_falls_back_to_local_buckets(kit):
     kit.run(c.completions.create(model=kit.base, prompt="x", max_tokens=1))
     with pytest.raises(openai.RateLimitError):
         kit.run(c.completions.create(model=kit.base, prompt="x", max_tokens=1))
+
+
+def test_a_client_that_goes_away_aborts_every_choice_in_the_engine(kit):
+    """Closing the replica stream mid-generation (what Serve does when the client disconnects) frees the engine."""
+    from deployments.protocol import GenerateRequest
+
+    async def go():
+        req = GenerateRequest("abandoned", None, {"max_tokens": 200, "temperature": 1.0, "top_p": 1.0, "seed": 1,
+                                                  "stop": [], "ignore_eos": True}, prompt="def ", n=3)
+        stream = kit.server.generate(req)
+        async for chunk in stream:
+            if chunk["type"] == "delta":
+                break
+        await stream.aclose()
+        for _ in range(100):
+            stats = kit.engine.stats()
+            if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                return stats
+            await asyncio.sleep(0.05)
+        return kit.engine.stats()
+
+    stats = kit.run(go())
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
