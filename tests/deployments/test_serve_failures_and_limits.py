@@ -137,10 +137,10 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     outcomes = []  # (outcome, tokens received before the end)
     lock = threading.Lock()
 
-    def one():
+    def one(messages=CHAT):
         got = 0
         try:
-            stream = c.chat.completions.create(model=serve_app.base_name, messages=CHAT, max_tokens=96,
+            stream = c.chat.completions.create(model=serve_app.base_name, messages=messages, max_tokens=96,
                                                temperature=0, stream=True)
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -157,9 +157,13 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
         while time.monotonic() < stop_at:
             one()
 
-    with cf.ThreadPoolExecutor(10) as pool:
+    with cf.ThreadPoolExecutor(26) as pool:
         futures = [pool.submit(worker) for _ in range(10)]
         time.sleep(5)
+        # a burst just before the kill, so some requests are still before their first token when it lands
+        long_prompt = [{"role": "user", "content": "def f(x):\n    return x\n" * 30}]  # a slower prefill
+        futures += [pool.submit(one, long_prompt) for _ in range(16)]
+        time.sleep(0.02)
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
         for f in futures:
