@@ -190,3 +190,11 @@ def test_tokenization_does_not_block_the_replica_event_loop(kit):
         type(tok).__call__ = original
     assert r.status_code in (200, 400), r.text
     assert worst < 0.3, f"the event loop stalled {worst:.2f} s"
+
+
+def test_logit_bias_outside_the_vocabulary_is_400_before_any_token(kit):
+    vocab = kit.engine.engine.spec.vocab_size
+    steps = engine_steps(kit)
+    r = post(kit, "/v1/completions", {"model": kit.base, "prompt": "x", "logit_bias": {str(vocab): 1.0}})
+    err = assert_openai_error(r, 400, "invalid_request")
+    assert "logit_bias" in err["message"] and engine_steps(kit) == steps
