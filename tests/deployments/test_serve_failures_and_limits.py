@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deployments.serve_harness import APP_NAME, KEYS
+from tests.deployments.serve_harness import AFFINITY_ADAPTERS, APP_NAME, KEYS
 
 pytestmark = pytest.mark.slow
 ACME = list(KEYS)[0]
@@ -137,10 +137,10 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     outcomes = []  # (outcome, tokens received before the end)
     lock = threading.Lock()
 
-    def one(messages=CHAT):
+    def one(messages=CHAT, model=None):
         got = 0
         try:
-            stream = c.chat.completions.create(model=serve_app.base_name, messages=messages, max_tokens=96,
+            stream = c.chat.completions.create(model=model or serve_app.base_name, messages=messages, max_tokens=96,
                                                temperature=0, stream=True)
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -157,15 +157,19 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
         while time.monotonic() < stop_at:
             one()
 
-    with cf.ThreadPoolExecutor(26) as pool:
+    with cf.ThreadPoolExecutor(42) as pool:  # 10 workers in a loop, then bursts of 16
         futures = [pool.submit(worker) for _ in range(10)]
         time.sleep(5)
         # a burst just before the kill, so some requests are still before their first token when it lands
         long_prompt = [{"role": "user", "content": "def f(x):\n    return x\n" * 30}]  # a slower prefill
-        futures += [pool.submit(one, long_prompt) for _ in range(16)]
+        futures += [pool.submit(one, long_prompt) for _ in range(8)]
+        # and requests for adapters no replica holds yet: they wait for the load before their first token
+        futures += [pool.submit(one, CHAT, name) for name in AFFINITY_ADAPTERS[-8:]]
         time.sleep(0.02)
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
+        # and right after it, before routers can know: some of these are sent to the dead replica
+        futures += [pool.submit(one) for _ in range(16)]
         for f in futures:
             f.result()
     counts = {}
