@@ -82,6 +82,14 @@ class AppConfig(BaseModel):
     cold_load_concurrency: int = Field(2, ge=1, description="in-flight requests for an adapter not yet loaded")
     cold_load_wait_s: float = Field(30.0, gt=0, description="wait for a cold-load slot before answering 429")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_request_bytes: int = Field(2 * 2**20, ge=1024, description="larger request bodies get a 413 unread")
+    metrics_token: Optional[str] = Field(
+        None, min_length=8, description="bearer token /metrics needs; None: /metrics is open and labels "
+        "tenant-private adapters 'private'")
+    rate_limit_redis_url: Optional[str] = Field(
+        None, description="Redis for rate-limit buckets shared by every ingress replica; None: the registry's "
+        "redis_url when it has one, else per-replica buckets")
+    replica_retries: int = Field(3, ge=0, description="retries of a request whose replica fails before its first token")
 
     registry: dict[str, Any] = Field(default_factory=dict, description="RegistrySettings fields")
 

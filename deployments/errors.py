@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["APIError", "error_body", "error_response", "status_type"]
+__all__ = ["APIError", "BodyLimit", "error_body", "error_response", "status_type"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -14,6 +14,7 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     409: "invalid_request_error",
+    413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -50,3 +51,60 @@ def error_body(status: int, message: str, code: Optional[str] = None, param: Opt
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets `refuse(size)` -> (status, JSON body) before it
+    is parsed. A declared Content-Length over the limit is refused without reading a byte; a body without one
+    (chunked) is counted as it arrives and cut off at the limit."""
+
+    def __init__(self, app, limit: int, refuse):
+        self.app, self.limit, self.refuse = app, limit, refuse
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._answer(send, int(declared) if declared.isdigit() else -1)
+        seen, over, started = 0, False, False
+
+        async def counted_receive():
+            nonlocal seen, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # the app sees a client that went away; we answer below
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                if over:
+                    return  # the app's answer to the disconnect; ours follows
+                started = True
+            elif over and not started:
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            await self._answer(send, seen)
+
+    async def _answer(self, send, size: int) -> None:
+        import json
+
+        status, body = self.refuse(size)
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})

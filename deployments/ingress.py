@@ -11,8 +11,8 @@ from ray.serve.handle import DeploymentHandle
 from deployments.config import AppConfig
 from deployments.metrics import ServingMetrics
 from deployments.openai_api import IngressDeps, create_openai_app
-from deployments.protocol import GenerateRequest
-from deployments.rate_limit import ColdLoadGate, RateLimiter
+from deployments.protocol import GenerateRequest, ReplicaUnavailable
+from deployments.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter
 
 __all__ = ["OpenAIIngress", "ServeLLMClient"]
 
@@ -22,13 +22,20 @@ class ServeLLMClient:
     is what `router.AffinityRouter` (and Ray's default router) route on."""
 
     def __init__(self, handle: DeploymentHandle):
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import ReplicaUnavailableError
+
         self._handle = handle
+        # The replica died or cannot be reached: the request is not at fault and may go to another one.
+        self._replica_failures = (RayActorError, ReplicaUnavailableError)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
         gen = self._handle.options(stream=True, multiplexed_model_id=req.adapter_key or "").generate.remote(req)
         try:
             async for chunk in gen:
                 yield chunk
+        except self._replica_failures as e:
+            raise ReplicaUnavailable(f"{type(e).__name__}") from e
         finally:
             gen.cancel()  # no-op when finished; aborts the replica's generation otherwise
 
@@ -46,17 +53,22 @@ class OpenAIIngress:
         self.registry = make_registry(cfg)
         admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}})
         rates = lambda specs: {k: (v.rate, v.burst) for k, v in specs.items()}  # noqa: E731
+        limiter = RateLimiter((cfg.tenant_rate.rate, cfg.tenant_rate.burst),
+                              (cfg.adapter_rate.rate, cfg.adapter_rate.burst),
+                              rates(cfg.tenant_rates), rates(cfg.adapter_rates))
+        redis_url = cfg.rate_limit_redis_url or self.registry.settings.redis_url
         self.deps = IngressDeps(
             base_name=cfg.base_model_name or "base",
             api_keys=dict(cfg.api_keys),
             resolver=self.registry,
             llm=ServeLLMClient(llm),
-            limiter=RateLimiter((cfg.tenant_rate.rate, cfg.tenant_rate.burst),
-                                (cfg.adapter_rate.rate, cfg.adapter_rate.burst),
-                                rates(cfg.tenant_rates), rates(cfg.adapter_rates)),
+            limiter=RedisRateLimiter(redis_url, limiter) if redis_url else limiter,
             gate=ColdLoadGate(limit=cfg.cold_load_concurrency, wait_s=cfg.cold_load_wait_s),
             metrics=ServingMetrics(),
             max_tokens_limit=cfg.max_tokens_limit,
+            max_request_bytes=cfg.max_request_bytes,
+            metrics_token=cfg.metrics_token,
+            retries=cfg.replica_retries,
             admin_app=admin,
             admin_prefix=cfg.admin_prefix,
             registry_errors=(AdapterNotFound, AdapterDisabled),

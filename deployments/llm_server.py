@@ -40,6 +40,35 @@ class _AdapterCounters:
     load_seconds: float = 0.0
 
 
+class _Refused(Exception):
+    """A request the replica refuses before any work: (code, message, param) of a 400."""
+
+    def __init__(self, code: str, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, RequestOutput) from every engine stream as they come; closing it aborts the unfinished."""
+    for i, out in enumerate(firsts):
+        yield i, out
+    nexts = {asyncio.ensure_future(streams[i].__anext__()): i for i, out in enumerate(firsts) if not out.finished}
+    try:
+        while nexts:
+            done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = nexts.pop(fut)
+                out = fut.result()
+                if not out.finished:
+                    nexts[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, out
+    finally:
+        for fut in nexts:
+            fut.cancel()
+        await asyncio.gather(*nexts, return_exceptions=True)
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)  # aborts unfinished requests
+
+
 class LLMServer:
     def __init__(self, cfg: AppConfig, engine: Any, registry: Any, replica_id: str,
                  publish_residency: Optional[Callable[[list[str], dict], None]] = None,
@@ -56,6 +85,7 @@ class LLMServer:
         self._tasks: set[asyncio.Task] = set()
         self._unsubscribe: Optional[Callable[[], None]] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._prompt_limits: Optional[tuple[int, int]] = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -177,46 +207,116 @@ class LLMServer:
             if lease is not None:
                 self.adapters.release(lease.key)
 
-    def _prompt(self, req: GenerateRequest) -> tuple[Optional[str], Optional[list[int]]]:
-        if req.messages is None:
-            return req.prompt, req.prompt_token_ids
-        ids = self.engine.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
-            ids = ids["input_ids"]
-        return None, [int(t) for t in ids]
+    # ------------------------------------------------------------------ prompts: limits before work
+    def _limits(self) -> tuple[int, int]:
+        """(max_model_len, most characters a prompt can have and still fit it). The character bound is
+        cheap and checked before tokenizing: no token decodes to more than `longest` characters, so a
+        prompt of more than max_model_len * longest characters cannot fit (x4 for normalizers that merge
+        characters)."""
+        if self._prompt_limits is None:
+            max_len = self.engine.engine.max_model_len
+            tok = self.engine.tokenizer
+            longest = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
+            self._prompt_limits = (max_len, 4 * max(1, longest) * max_len)
+        return self._prompt_limits
 
-    async def _run_engine(self, req: GenerateRequest, started_at: float, hit: Optional[bool]) -> AsyncIterator[dict]:
+    def _tokenize(self, req: GenerateRequest) -> list[list[int]]:
+        """Each prompt's token ids; run off the event loop. Raises _Refused before any tokenizing when a
+        prompt's length alone shows it cannot fit."""
+        max_len, max_chars = self._limits()
+        tok = self.engine.tokenizer
+
+        def check_chars(n: int) -> None:
+            if n > max_chars:
+                raise _Refused("context_length_exceeded", f"the prompt has {n} characters: more than this "
+                               f"model's maximum context length of {max_len} tokens can hold", "messages")
+
+        if req.messages is not None:
+            check_chars(sum(len(m.get("content") or "") for m in req.messages))
+            ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+                ids = ids["input_ids"]
+            return [[int(t) for t in ids]]
+        out = []
+        for prompt in req.inputs():
+            if isinstance(prompt, str):
+                if tok is None:
+                    raise _Refused("invalid_request", "this model has no tokenizer: send token ids", "prompt")
+                check_chars(len(prompt))
+                out.append([int(t) for t in tok(prompt)["input_ids"]])
+            else:
+                out.append([int(t) for t in prompt])
+        return out
+
+    def _params(self, req: GenerateRequest, prompt_len: int, sample: int):
+        """SamplingParams of one choice; max_tokens beyond the remaining context is a 400 (like vLLM's) when the
+        client asked for it, and cut to the room left when it is the default."""
         from engine_ext import SamplingParams
 
+        max_len, _ = self._limits()
+        sampling = dict(req.sampling)
+        wanted = int(sampling["max_tokens"])
+        room = max_len - prompt_len
+        if room < 1 or (wanted > room and req.max_tokens_explicit):
+            raise _Refused("context_length_exceeded",
+                           f"This model's maximum context length is {max_len} tokens. However, you requested "
+                           f"{prompt_len + wanted} tokens ({prompt_len} in the messages, {wanted} in the "
+                           f"completion). Please reduce the length of the messages or completion.",
+                           "max_tokens" if room >= 1 else "messages")
+        sampling["max_tokens"] = min(wanted, room)
+        if sampling.get("seed") is not None and sample:  # n > 1: distinct, reproducible samples
+            sampling["seed"] = (sampling["seed"] + sample) % 2**64
+        return SamplingParams(**sampling)
+
+    def _logprob_entries(self, out) -> Optional[list]:
+        if out.new_logprobs is None:
+            return None
+        tok = self.engine.tokenizer
+        text = (lambda t: tok.decode([t])) if tok is not None else str  # noqa: E731
+        clamp = lambda v: max(v, -9999.0)  # noqa: E731 - JSON has no -inf
+        return [[text(e.token_id), clamp(e.logprob), [[text(t), clamp(v)] for t, v in e.top]]
+                for e in out.new_logprobs]
+
+    # ------------------------------------------------------------------ generation
+    async def _run_engine(self, req: GenerateRequest, started_at: float, hit: Optional[bool]) -> AsyncIterator[dict]:
         try:
-            prompt, ids = self._prompt(req)
-            params = SamplingParams(**req.sampling)
+            prompts = await asyncio.to_thread(self._tokenize, req)
+            choices = [(ids, self._params(req, len(ids), j)) for ids in prompts for j in range(req.n)]
+        except _Refused as e:
+            yield error_chunk(400, e.code, str(e), e.param)
+            return
         except Exception as e:  # noqa: BLE001 - a template or parameter the engine cannot take
             yield error_chunk(400, "invalid_request", str(e))
             return
-        stream = self.engine.generate(prompt, prompt_token_ids=ids, sampling_params=params,
-                                      adapter_name=req.adapter_key, request_id=req.request_id)
-        try:
-            first = await stream.__anext__()
-        except ValueError as e:  # validated by the engine before any token: the request's fault
-            too_long = "max_model_len" in str(e) or "KV blocks" in str(e)
-            code = "context_length_exceeded" if too_long else "invalid_request"
-            yield error_chunk(400, code, str(e))
+        rid = req.request_id
+        streams = [self.engine.generate(None, prompt_token_ids=ids, sampling_params=params, adapter_name=req.adapter_key,
+                                        request_id=rid if len(choices) == 1 else f"{rid}/{i}")
+                   for i, (ids, params) in enumerate(choices)]
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+        failed = next((e for e in firsts if isinstance(e, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            if not isinstance(failed, ValueError):
+                raise failed
+            too_long = "max_model_len" in str(failed) or "KV blocks" in str(failed)
+            yield error_chunk(400, "context_length_exceeded" if too_long else "invalid_request", str(failed))
             return
         yield {"type": "start", "replica": self.replica_id, "adapter_hit": hit, "started_at": started_at,
-               "prompt_tokens": first.num_prompt_tokens, "num_running": self._stats.get("num_running")}
-        out = first
+               "prompt_tokens": sum(len(ids) for ids in prompts), "num_running": self._stats.get("num_running")}
+        finish, tokens = {}, {}
+        merged = _merge(streams, firsts)
         try:
-            while True:
+            async for i, out in merged:
                 if out.new_token_ids or out.delta_text:
-                    yield {"type": "delta", "text": out.delta_text, "num_tokens": len(out.new_token_ids)}
+                    yield {"type": "delta", "index": i, "text": out.delta_text, "num_tokens": len(out.new_token_ids),
+                           "logprobs": self._logprob_entries(out)}
                 if out.finished:
-                    break
-                out = await stream.__anext__()
+                    finish[i], tokens[i] = out.finish_reason or "stop", len(out.token_ids)
         finally:
-            await stream.aclose()  # aborts the engine request if the client went away
-        yield {"type": "end", "finish_reason": out.finish_reason or "stop", "prompt_tokens": out.num_prompt_tokens,
-               "completion_tokens": len(out.token_ids), "snapshot": self.snapshot(req.adapter_key)}
+            await merged.aclose()  # the caller went away: abort every unfinished choice now
+        yield {"type": "end", "finish_reason": finish[0], "completion_tokens": sum(tokens.values()),
+               "finish_reasons": finish, "choice_tokens": tokens, "prompt_tokens": sum(len(ids) for ids in prompts),
+               "snapshot": self.snapshot(req.adapter_key)}
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, key: Optional[str]) -> dict[str, Any]:

@@ -2,12 +2,15 @@
 
 `create_openai_app(IngressDeps(...))` has no Ray in it: the Serve ingress passes an `llm`
 that calls the replicas through a deployment handle; unit tests pass a fake.
-Order of checks per request: API key -> body -> model name -> registry (visibility,
-disabled, canary pick) -> rate limits -> cold-load gate -> replica.
+Order of checks per request: body size -> API key -> body -> model name -> registry (visibility,
+disabled, canary pick) -> rate limits -> cold-load gate -> replica. Every error answer is an
+OpenAI error body and is counted by status and reason in `/metrics`.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,14 +24,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import responses as R
 from deployments.adapter_cache import adapter_key
-from deployments.errors import APIError, error_body, error_response
+from deployments.errors import APIError, BodyLimit, error_body
 from deployments.metrics import CONTENT_TYPE, ServingMetrics
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
 from deployments.protocol import GenerateRequest
 from deployments.rate_limit import ColdLoadGate, RateLimited, RateLimiter
 from deployments.stream import StreamRun
 
-__all__ = ["create_openai_app", "IngressDeps", "LLMClient", "Resolver"]
+__all__ = ["create_openai_app", "IngressDeps", "LLMClient", "Resolver", "Limiter"]
+
+logger = logging.getLogger(__name__)
+PRIVATE = "private"  # the adapter label of tenant-private adapters in an open /metrics
 
 
 class Resolver(Protocol):
@@ -40,22 +46,37 @@ class LLMClient(Protocol):
     def stream(self, req: GenerateRequest) -> AsyncIterator[dict]: ...
 
 
+class Limiter(Protocol):
+    def check(self, tenant: str, adapter: Optional[str]) -> None: ...  # raises RateLimited
+
+
 @dataclass
 class IngressDeps:
     base_name: str
     api_keys: Mapping[str, str]  # key -> tenant
     resolver: Resolver
     llm: LLMClient
-    limiter: RateLimiter
+    limiter: Limiter
     gate: ColdLoadGate
     metrics: ServingMetrics = field(default_factory=ServingMetrics)
     max_tokens_limit: int = 4096
     default_completion_tokens: int = 16  # OpenAI's default for /v1/completions
     default_chat_tokens: int = 256
+    max_request_bytes: int = 2 * 2**20  # larger bodies get a 413 before they are read
+    metrics_token: Optional[str] = None  # None: /metrics is open and shows no tenant-private adapter names
+    retries: int = 3  # a request whose replica fails before the client saw a token is retried this often
+    retry_backoff_s: float = 0.2
     admin_app: Any = None
     admin_prefix: str = "/admin"
     registry_errors: tuple = ()  # (not_found_cls, disabled_cls): registry exception classes
     clock: Callable[[], float] = time.time
+
+
+@dataclass(frozen=True)
+class _Model:
+    key: Optional[str]  # adapter key (name@version); None: the base model
+    name: str  # adapter name, "-" for the base
+    private: bool
 
 
 def _tenant(deps: IngressDeps, request: Request) -> str:
@@ -67,8 +88,7 @@ def _tenant(deps: IngressDeps, request: Request) -> str:
     return tenant
 
 
-def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> tuple[Optional[str], str]:
-    """`model` -> (adapter key or None for the base, adapter name for limits/metrics)."""
+def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> _Model:
     try:
         ref = parse_model(model, deps.base_name)
     except ValueError as e:
@@ -76,7 +96,7 @@ def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> tup
     if ref.base is not None and ref.base != deps.base_name:
         raise APIError(404, f"The model {model!r} does not exist.", code="model_not_found", param="model")
     if ref.adapter is None:
-        return None, "-"
+        return _Model(None, "-", False)
     not_found, disabled = deps.registry_errors
     try:
         rec = deps.resolver.resolve(ref.adapter, tenant, request_id=request_id)
@@ -88,85 +108,136 @@ def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> tup
     if rec.base_model != deps.base_name:
         raise APIError(404, f"The model {model!r} is not served on base {deps.base_name!r}.",
                        code="model_not_found", param="model")
-    return adapter_key(rec.name, rec.version), rec.name
+    return _Model(adapter_key(rec.name, rec.version), rec.name, rec.visibility != "public")
 
 
-def _sampling(body: Any, default_tokens: int, limit: int) -> dict[str, Any]:
-    max_tokens = body.wanted_tokens(default_tokens)
+def _sampling(body: Any, default_tokens: int, limit: int) -> tuple[dict[str, Any], bool]:
+    max_tokens, explicit = body.wanted_tokens(default_tokens)
     if max_tokens > limit:
         raise APIError(400, f"max_tokens must be <= {limit}", code="invalid_value", param="max_tokens")
-    return {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-            "seed": body.seed, "stop": list(body.stop)}
+    return {"max_tokens": max_tokens, **body.engine_sampling()}, explicit
+
+
+def _validation_error(err: RequestValidationError) -> APIError:
+    first = err.errors()[0] if err.errors() else {}
+    # pydantic adds the union member it tried ("list[...]", "function-after[...]"): not part of the path
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not ("[" in str(x) or "(" in str(x))]
+    param = loc[0] if loc else None
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"Unsupported parameter: {'.'.join(loc)!r} is not supported by this server.",
+                        code="unsupported_parameter", param=param)
+    msg = str(first.get("msg", "malformed body")).removeprefix("Value error, ")
+    return APIError(400, f"Invalid request: {'.'.join(loc) or 'body'}: {msg}", code="invalid_request", param=param)
 
 
 def create_openai_app(deps: IngressDeps) -> FastAPI:
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None)
     m = deps.metrics
 
+    def answer(err: APIError) -> JSONResponse:
+        m.http_errors.labels(str(err.status), err.code or "error").inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return error_response(err)
+        return answer(err)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        msg = f"Invalid request: {'.'.join(loc) or 'body'}: {first.get('msg', 'malformed body')}"
-        return JSONResponse(error_body(400, msg, "invalid_request", ".".join(loc) or None), status_code=400)
+        return answer(_validation_error(err))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if err.status_code == 404 else "http_error"
-        return JSONResponse(error_body(err.status_code, str(err.detail), code), status_code=err.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        return answer(APIError(err.status_code, str(err.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("unhandled error in the data plane")
+        return answer(APIError(500, f"internal error: {type(err).__name__}", code="internal_error"))
+
+    def too_large(size: int) -> tuple[int, dict]:
+        err = APIError(413, f"The request body is larger than this server accepts ({deps.max_request_bytes} "
+                       f"bytes).", code="request_too_large")
+        m.http_errors.labels("413", err.code).inc()
+        return 413, err.body()
+
+    app.add_middleware(BodyLimit, limit=deps.max_request_bytes, refuse=too_large)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if deps.metrics_token is not None:
+            given = request.headers.get("authorization", "").partition(" ")[2].strip()
+            if not hmac.compare_digest(given.encode(), deps.metrics_token.encode()):
+                raise APIError(401, "/metrics needs the metrics token.", code="invalid_api_key")
         return Response(m.render(), media_type=CONTENT_TYPE)
 
     def authenticated(request: Request) -> str:
         # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first.
         return _tenant(deps, request)
 
+    async def visible_models(tenant: str) -> list[tuple[str, Optional[str]]]:
+        records = await run_in_threadpool(deps.resolver.list_adapters, tenant)
+        return sorted({(r.name, None if r.visibility == "public" else r.owner_tenant)
+                       for r in records if r.base_model == deps.base_name})
+
     @app.get("/v1/models")
     async def models(tenant: str = Depends(authenticated)) -> dict:
-        records = await run_in_threadpool(deps.resolver.list_adapters, tenant)
-        adapters = {(r.name, None if r.visibility == "public" else r.owner_tenant)
-                    for r in records if r.base_model == deps.base_name}
-        return R.model_list(deps.base_name, sorted(adapters), int(deps.clock()))
+        return R.model_list(deps.base_name, await visible_models(tenant), int(deps.clock()))
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str, tenant: str = Depends(authenticated)) -> dict:
+        """One model as `/v1/models` lists it: the base, or an adapter visible to the tenant."""
+        try:
+            ref = parse_model(model_id, deps.base_name)
+        except ValueError:
+            ref = None
+        created = int(deps.clock())
+        if ref is not None and ref.adapter is None:
+            return R.model_object(deps.base_name, deps.base_name, None, created)
+        if ref is not None and ref.base in (None, deps.base_name):
+            for name, owner in await visible_models(tenant):
+                if name == ref.adapter:
+                    return R.model_object(name, deps.base_name, owner, created)
+        raise APIError(404, f"The model {model_id!r} does not exist or you do not have access to it.",
+                       code="model_not_found", param="model")
 
     async def _run(tenant: str, body: Any, chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        adapter_name = "-"
+        label = "-"
         try:
-            key, adapter_name = await run_in_threadpool(_resolve, deps, body.model, tenant, rid)
-            sampling = _sampling(body, deps.default_chat_tokens if chat else deps.default_completion_tokens,
-                                 deps.max_tokens_limit)
+            target = await run_in_threadpool(_resolve, deps, body.model, tenant, rid)
+            redact = target.private and deps.metrics_token is None
+            label = PRIVATE if redact else target.name
+            sampling, explicit = _sampling(body, deps.default_chat_tokens if chat else deps.default_completion_tokens,
+                                           deps.max_tokens_limit)
             try:
-                deps.limiter.check(tenant, None if key is None else adapter_name)
+                deps.limiter.check(tenant, None if target.key is None else target.name)
             except RateLimited as e:
                 m.rate_limited.labels(e.scope).inc()
                 raise APIError(429, str(e), code="rate_limit_exceeded",
                                headers={"Retry-After": RateLimiter.retry_after_header(e)}) from None
+            common = dict(n=body.n, max_tokens_explicit=explicit, submitted_at=deps.clock())
             if chat:
-                try:
-                    messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
-                except ValueError as e:
-                    raise APIError(400, str(e), code="invalid_request", param="messages") from None
-                req = GenerateRequest(rid, key, sampling, messages=messages, submitted_at=deps.clock())
-            elif isinstance(body.prompt, list):
-                req = GenerateRequest(rid, key, sampling, prompt_token_ids=list(body.prompt), submitted_at=deps.clock())
+                messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
+                req = GenerateRequest(rid, target.key, sampling, messages=messages, **common)
+            elif len(body.prompt) == 1 and isinstance(body.prompt[0], list):
+                req = GenerateRequest(rid, target.key, sampling, prompt_token_ids=body.prompt[0], **common)
+            elif len(body.prompt) == 1:
+                req = GenerateRequest(rid, target.key, sampling, prompt=body.prompt[0], **common)
             else:
-                req = GenerateRequest(rid, key, sampling, prompt=body.prompt, submitted_at=deps.clock())
-            run = StreamRun(deps, req, tenant, adapter_name, chat, body.model,
-                            include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                req = GenerateRequest(rid, target.key, sampling, prompts=list(body.prompt), **common)
+            run = StreamRun(deps, req, tenant, label, chat, body.model, logprobs=sampling["logprobs"] is not None,
+                            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                            redact=redact)
             await run.begin()  # errors before the first token still become plain HTTP errors
         except APIError as err:
-            m.requests.labels(adapter_name, tenant, str(err.status)).inc()
-            m.errors.labels(adapter_name, tenant, err.code or "error").inc()
+            m.requests.labels(label, tenant, str(err.status)).inc()
+            m.errors.labels(label, tenant, err.code or "error").inc()
             raise
         if body.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",

@@ -2,17 +2,24 @@
 
 Chunks are plain dicts (cheap to pickle through Ray), in this order:
   {"type": "start", "replica", "adapter_hit", "load_s", "started_at", "prompt_tokens", "num_running"}
-  {"type": "delta", "text", "num_tokens"}                      zero or more
-  {"type": "end", "finish_reason", "prompt_tokens", "completion_tokens", "snapshot"}
-or at any point {"type": "error", "status", "code", "message"} as the last chunk.
+  {"type": "delta", "index", "text", "num_tokens", "logprobs"}      zero or more, any choice's
+      logprobs: None, or one [token text, logprob, [[text, logprob], ...top]] per token of the delta
+  {"type": "end", "finish_reason" (choice 0's), "completion_tokens" (all choices'), "finish_reasons": {index: reason},
+   "choice_tokens": {index: n}, "prompt_tokens", "snapshot"}
+or at any point {"type": "error", "status", "code", "message"[, "param"]} as the last chunk.
+A request has `len(inputs()) * n` choices; choice `i * n + j` is sample j of prompt i.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-__all__ = ["GenerateRequest", "error_chunk"]
+__all__ = ["GenerateRequest", "ReplicaUnavailable", "error_chunk"]
+
+
+class ReplicaUnavailable(Exception):
+    """The replica, or the transport to it, failed (not the request): it may be retried on another replica."""
 
 
 @dataclass
@@ -23,14 +30,30 @@ class GenerateRequest:
     prompt: Optional[str] = None
     prompt_token_ids: Optional[list[int]] = None
     messages: Optional[list[dict[str, str]]] = None  # chat: the replica applies the chat template
+    prompts: Optional[list[Union[str, list[int]]]] = None  # several prompts (completions), each text or ids
+    n: int = 1  # samples per prompt
+    max_tokens_explicit: bool = True  # False: a default, cut to the room the context leaves instead of a 400
     submitted_at: float = 0.0  # ingress wall clock, for queue time
     labels: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
+        given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages, self.prompts))
         if given != 1:
-            raise ValueError("exactly one of prompt, prompt_token_ids, messages")
+            raise ValueError("exactly one of prompt, prompt_token_ids, messages, prompts")
+        if self.n < 1 or (self.prompts is not None and not self.prompts):
+            raise ValueError("n >= 1 and at least one prompt")
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """The completion prompts (text or token ids); chat requests have none (see `messages`)."""
+        if self.prompts is not None:
+            return list(self.prompts)
+        return [self.prompt if self.prompt is not None else self.prompt_token_ids] if self.messages is None else []
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, len(self.inputs())) * self.n
 
 
-def error_chunk(status: int, code: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "status": status, "code": code, "message": message}
+def error_chunk(status: int, code: str, message: str, param: Optional[str] = None) -> dict[str, Any]:
+    chunk = {"type": "error", "status": status, "code": code, "message": message}
+    return chunk if param is None else {**chunk, "param": param}

@@ -1,18 +1,24 @@
 """Token-bucket rate limits per tenant and per adapter, and the cold-load concurrency gate.
 
-Limits are per ingress replica (no shared state on the hot path): with N ingress replicas
-a tenant may get up to N times its rate. The clock is injected so tests need no sleeps.
+`RateLimiter` keeps its buckets in the ingress replica: with N ingress replicas a tenant may get
+up to N times its rate. `RedisRateLimiter` keeps them in Redis (one atomic script per request,
+Redis's clock), so every ingress replica draws from the same buckets; it is used when Redis is
+configured, and falls back to the local buckets while Redis is unreachable. The local clock is
+injected so tests need no sleeps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
-__all__ = ["TokenBucket", "RateLimiter", "RateLimited", "ColdLoadGate"]
+__all__ = ["TokenBucket", "RateLimiter", "RedisRateLimiter", "RateLimited", "ColdLoadGate"]
+
+logger = logging.getLogger(__name__)
 
 
 class RateLimited(Exception):
@@ -89,6 +95,65 @@ class RateLimiter:
     @staticmethod
     def retry_after_header(err: RateLimited) -> str:
         return str(max(1, math.ceil(err.retry_after_s)))
+
+
+# KEYS: bucket keys; ARGV: rate_1, burst_1, rate_2, burst_2, ...  Returns {0, ""} when a token was taken from
+# every bucket, else {i, wait_s} for the first bucket i (1-based) without one, charging none (all or nothing).
+_TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local state = {}
+for i = 1, #KEYS do
+  local rate, burst = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
+  local v = redis.call('HMGET', KEYS[i], 'tokens', 'stamp')
+  local tokens, stamp = tonumber(v[1]) or burst, tonumber(v[2]) or now
+  if now > stamp then
+    tokens = math.min(burst, tokens + (now - stamp) * rate)
+    stamp = now
+  end
+  if tokens < 1 then
+    return {i, tostring((1 - tokens) / rate)}
+  end
+  state[i] = {tokens - 1, stamp, math.ceil(burst / rate * 1000) + 1000}
+end
+for i = 1, #KEYS do
+  redis.call('HSET', KEYS[i], 'tokens', tostring(state[i][1]), 'stamp', tostring(state[i][2]))
+  redis.call('PEXPIRE', KEYS[i], state[i][3])
+end
+return {0, ''}
+"""
+
+
+class RedisRateLimiter:
+    """`RateLimiter`'s contract with the buckets in Redis, shared by every ingress replica."""
+
+    def __init__(self, url: str, local: RateLimiter, prefix: str = "loraserve:ratelimit"):
+        import redis
+
+        self.local, self.prefix = local, prefix
+        self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        self._take = self._redis.register_script(_TAKE)
+        self._errors = (redis.RedisError, OSError)
+
+    def check(self, tenant: str, adapter: Optional[str]) -> None:
+        scopes = [("tenant", tenant)] + ([("adapter", adapter)] if adapter else [])
+        args: list[float] = []
+        for scope, key in scopes:
+            defaults, overrides = ((self.local.tenant_default, self.local.tenant_overrides) if scope == "tenant"
+                                   else (self.local.adapter_default, self.local.adapter_overrides))
+            args += list(overrides.get(key, defaults))
+        try:
+            failed, wait = self._take(keys=[f"{self.prefix}:{s}:{k}" for s, k in scopes], args=args)
+        except self._errors:
+            logger.warning("rate limits: Redis unreachable, using this replica's buckets", exc_info=True)
+            return self.local.check(tenant, adapter)
+        if int(failed):
+            scope, key = scopes[int(failed) - 1]
+            raise RateLimited(scope, key, float(wait))
+
+    @staticmethod
+    def retry_after_header(err: RateLimited) -> str:
+        return RateLimiter.retry_after_header(err)
 
 
 @dataclass

@@ -106,6 +106,7 @@ class LLMEngine:
         lookahead = self.speculator.lookahead if self.speculator else 0
         if blocks_for(len(prompt_token_ids) + 1 + lookahead, self.config.block_size) > self.blocks.num_blocks:
             raise ValueError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})")
+        params.check_vocab(self.spec.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
         if adapter_name is not None and not self.adapters.known(adapter_name):
@@ -151,7 +152,7 @@ class LLMEngine:
         if not seqs:
             return []
         logits = self.runner.run([self.work_item(s) for s in seqs], self.adapters.slots)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator, seqs)
         for seq, token, row in zip(seqs, tokens.tolist(), logits):
             seq.num_computed = seq.num_tokens
             self.commit(seq, token, row)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from .sequence import RequestOutput, Sequence
+from .sequence import RequestOutput, Sequence, TokenLogprobs
+
+
+def token_logprobs(token: int, logits: torch.Tensor | None, k: int) -> TokenLogprobs:
+    """log_softmax of the raw logits row: the token's value and the top k."""
+    if logits is None:  # a decoding path that dropped the row: a bug, never a silent empty answer
+        raise RuntimeError("logprobs were requested but this decoding path kept no logits row")
+    lp = torch.log_softmax(logits.detach().float(), dim=-1)
+    top = lp.topk(k) if k > 0 else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return TokenLogprobs(int(token), float(lp[token]), pairs)
 
 
 class OutputProcessor:
@@ -20,6 +30,8 @@ class OutputProcessor:
         seq.output_token_ids.append(token)
         if p.return_logits and logits is not None:
             seq.logits.append(logits.detach().float().cpu())
+        if p.logprobs is not None:
+            seq.logprobs.append(token_logprobs(token, logits, p.logprobs))
         if p.stop and self.tokenizer is not None:
             prev = len(seq.text)
             seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
@@ -58,6 +70,7 @@ class OutputProcessor:
             stable = 0
         stable = max(stable, seq.num_emitted_chars)
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens :]
+        new_logprobs = seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
         delta = seq.text[seq.num_emitted_chars : stable]
         seq.num_emitted_tokens = len(seq.output_token_ids)
         seq.num_emitted_chars = stable
@@ -72,4 +85,6 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             adapter=seq.adapter,
             logits=torch.stack(seq.logits) if finished and seq.logits else None,
+            new_logprobs=new_logprobs,
+            logprobs=list(seq.logprobs) if finished and seq.params.logprobs is not None else None,
         )

@@ -19,6 +19,15 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the `params.logprobs` most likely tokens' (raw logits)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -36,6 +45,7 @@ class Sequence:
     num_emitted_tokens: int = 0  # tokens already handed to the caller
     num_emitted_chars: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)  # only with params.return_logits
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # only with params.logprobs
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     @property
@@ -67,6 +77,8 @@ class RequestOutput:
     finish_reason: str | None
     adapter: str | None = None
     logits: torch.Tensor | None = None  # [len(token_ids), vocab] with params.return_logits
+    new_logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per new_token_ids entry
+    logprobs: list[TokenLogprobs] | None = None  # with params.logprobs, on the finished output: one per token_ids
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -156,7 +156,10 @@ class Speculator:
             self.gate.times.record(kind, tokens, adapters, seconds)
 
     def _cap(self, s: Sequence) -> int:
-        """Longest useful draft: every accepted token plus the target's own must fit max_tokens."""
+        """Longest useful draft: every accepted token plus the target's own must fit max_tokens. Requests whose
+        params rule drafting out (SamplingParams.can_draft) draft nothing: the verify pass is their plain step."""
+        if not s.params.can_draft:
+            return 0
         return max(0, min(self.cfg.num_draft_tokens, self._left(s) - 1))
 
     def _left(self, s: Sequence) -> int:
@@ -287,10 +290,10 @@ class Speculator:
                 tokens = [targets[r] for r in rows]
             else:
                 tokens = sample(logits[rows], [live[i].params for i in plain], [live[i].generator for i in plain],
-                                e.generator).tolist()
+                                e.generator, [live[i] for i in plain]).tolist()
             for i, row, token in zip(plain, rows, tokens):
                 live[i].num_computed = live[i].num_tokens
-                e.commit(live[i], token, logits[row] if live[i].params.return_logits else None)
+                e.commit(live[i], token, logits[row] if live[i].params.needs_rows else None)
         sampled = [i for i, s in enumerate(live) if drafts.get(id(s)) and not s.params.greedy]
         probs = {}
         if sampled:  # target distributions p for every verified position, in one call
@@ -332,7 +335,7 @@ class Speculator:
         """Base-only sequences: a drafting pass is their own model, so its token is final."""
         if not seqs:
             return
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.engine.generator)
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.engine.generator, seqs)
         for s, t, row in zip(seqs, tokens.tolist(), logits):
             s.num_computed = s.num_tokens
             self.engine.commit(s, t, row)

@@ -59,13 +59,17 @@ class FakeLLM:
             return
         yield {"type": "start", "replica": "r0", "adapter_hit": True, "started_at": req.submitted_at,
                "prompt_tokens": 3, "num_running": 1}
-        text = req.prompt if req.prompt is not None else (req.messages[-1]["content"] if req.messages else "ids")
-        words = text.split()[: req.sampling["max_tokens"]]
-        for w in words:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            yield {"type": "delta", "text": w + " ", "num_tokens": 1}
-        finish = "length" if len(words) == req.sampling["max_tokens"] else "stop"
-        yield {"type": "end", "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": len(words),
+        inputs = req.inputs() or [req.messages[-1]["content"]]
+        texts = [p if isinstance(p, str) else "ids" for p in inputs for _ in range(req.n)]
+        words = [t.split()[: req.sampling["max_tokens"]] for t in texts]
+        for i, ws in enumerate(words):
+            for w in ws:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                yield {"type": "delta", "index": i, "text": w + " ", "num_tokens": 1, "logprobs": None}
+        finish = {i: "length" if len(ws) == req.sampling["max_tokens"] else "stop" for i, ws in enumerate(words)}
+        yield {"type": "end", "finish_reason": finish[0], "finish_reasons": finish, "prompt_tokens": 3,
+               "completion_tokens": sum(len(ws) for ws in words),
+               "choice_tokens": {i: len(ws) for i, ws in enumerate(words)},
                "snapshot": {"num_running": 1, "adapters": {req.adapter_key or "-": {"hits": 4, "loads": 1, "acceptance_rate": 0.75,
                                                                        "load_seconds": 0.5}}}}

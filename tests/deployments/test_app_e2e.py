@@ -113,7 +113,7 @@ def test_private_adapter_serves_its_owner(serve_app):
 
 def test_malformed_bodies(serve_app):
     with pytest.raises(openai.BadRequestError) as e:
-        client(serve_app).completions.create(model=serve_app.base_name, prompt="x", max_tokens=2, n=3)
+        client(serve_app).completions.create(model=serve_app.base_name, prompt="x", max_tokens=2, n=17)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     r = httpx.post(serve_app.base_url + "/v1/chat/completions", content=b"{oops",
                    headers={"Authorization": f"Bearer {ACME}", "Content-Type": "application/json"})

@@ -50,7 +50,10 @@ def test_completion_with_adapter_resolves_version_and_usage():
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     req = llm.seen[-1]
     assert req.adapter_key == "pub@3"
-    assert req.sampling == {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["x"]}
+    assert req.sampling == {"max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["x"], "top_k": -1,
+                            "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                            "repetition_penalty": 1.0, "logit_bias": {}, "logprobs": None}
+    assert req.max_tokens_explicit and req.n == 1
 
 
 @pytest.mark.parametrize("model,key", [("pub", "pub@3"), ("mine", "mine@1"), ("tiny", None)])
@@ -96,13 +99,14 @@ def test_auth():
     "body",
     [
         {"model": "pub"},
-        {"model": "pub", "prompt": "x", "n": 2},
+        {"model": "pub", "prompt": "x", "n": 17},
         {"model": "pub", "prompt": "x", "temperature": 5},
         {"model": "pub", "prompt": "x", "max_tokens": 0},
         {"model": "pub", "prompt": "x", "max_tokens": 100000},
-        {"model": "pub", "prompt": ["a", "b"]},
+        {"model": "pub", "prompt": ["a", "b"] * 40},
         {"model": "pub", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]},
-        {"model": "pub", "prompt": "x", "logprobs": 2},
+        {"model": "pub", "prompt": "x", "logprobs": 21},
+        {"model": "pub", "prompt": "x", "echo": True},
     ],
 )
 def test_malformed_bodies(body):

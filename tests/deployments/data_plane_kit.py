@@ -1,0 +1,100 @@
+"""The data plane in one process, all real parts but Ray: the FastAPI app of `create_openai_app`, a real
+SQLite registry with the quick demo's adapters, and a real `LLMServer` over a real `AsyncLLMEngine`, called
+the way the Serve ingress calls a replica. Clients: the official `openai` AsyncOpenAI over httpx's ASGI
+transport. Everything runs on one event loop in a background thread (`kit.run(coro)`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import httpx
+import openai
+
+from deployments.protocol import GenerateRequest
+
+KEYS = {"sk-kit-acme-00001": "acme", "sk-kit-globex-0001": "globex"}
+ACME, GLOBEX = list(KEYS)
+
+
+class InProcessLLM:
+    """`LLMClient` over an `LLMServer` in this process (the Serve ingress does the same through a handle)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    async def stream(self, req: GenerateRequest):
+        async for chunk in self.server.generate(req):
+            yield chunk
+
+
+@dataclass
+class Kit:
+    app: Any
+    deps: Any
+    server: Any
+    engine: Any
+    registry: Any
+    cfg: Any
+    demo: dict
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def client(self, key: str = ACME, app: Any = None) -> openai.AsyncOpenAI:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app or self.app), base_url="http://kit")
+        return openai.AsyncOpenAI(base_url="http://kit/v1", api_key=key, max_retries=0, http_client=http, timeout=60)
+
+    def http(self, app: Any = None) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=app or self.app), base_url="http://kit", timeout=60)
+
+    @property
+    def base(self) -> str:
+        return self.cfg.base_model_name
+
+    @property
+    def adapter(self) -> str:
+        return sorted(self.demo)[0]
+
+
+def build(tmp, **deps_overrides) -> Kit:
+    import shutil
+
+    from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
+    from deployments.config import load_config
+    from deployments.llm_server import LLMServer, engine_config
+    from deployments.openai_api import IngressDeps, create_openai_app
+    from deployments.rate_limit import ColdLoadGate, RateLimiter
+    from engine_ext import AsyncLLMEngine
+    from registry import AdapterDisabled, AdapterNotFound
+
+    registry = {"registry_db": str(tmp / "r.db"), "blob_dir": str(tmp / "blobs"), "materialize_dir": str(tmp / "mat"),
+                "allowed_local_roots": [str(tmp / "in")], "poll_interval_s": 0.2}
+    cfg = bootstrap(load_config({"demo_recipe": "quick", "registry": registry, "api_keys": KEYS}, env={}))
+    paths = demo_paths(cfg)
+    reg = make_registry(cfg)
+    src = tmp / "in" / "secret"
+    shutil.copytree(paths["adapters"][sorted(paths["adapters"])[0]], src)
+    reg.register("globex-secret", str(src), sha256_of_dir(src), cfg.base_model_name, actor="test", tenant="globex",
+                 visibility="tenant", activate=True)
+    engine = AsyncLLMEngine(engine_config(cfg, paths["model"]))
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="kit-loop", daemon=True).start()
+    server = LLMServer(cfg, engine, reg, "kit-replica")
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+    deps = IngressDeps(base_name=cfg.base_model_name, api_keys=KEYS, resolver=reg, llm=InProcessLLM(server),
+                       limiter=RateLimiter((1000, 1000), (1000, 1000)), gate=ColdLoadGate(limit=8, wait_s=30),
+                       registry_errors=(AdapterNotFound, AdapterDisabled), **deps_overrides)
+    return Kit(create_openai_app(deps), deps, server, engine, reg, cfg, paths["adapters"], loop)
+
+
+def close(kit: Optional[Kit]) -> None:
+    if kit is None:
+        return
+    kit.run(kit.server.stop())
+    kit.loop.call_soon_threadsafe(kit.loop.stop)
+    kit.engine.shutdown()
+    kit.registry.close()
