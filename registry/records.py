@@ -91,6 +91,8 @@ class AdapterState(BaseModel):
     canary_weight: float = 0.0
     disabled: bool = False
     history: list[int] = Field(default_factory=list, description="previous active versions, most recent last")
+    last_version: int = Field(default=0, ge=0, description="highest version number ever issued for this name; "
+                                                           "never reused, even after deletes")
     versions: dict[int, AdapterRecord] = Field(default_factory=dict)
 
     def head(self) -> dict[str, Any]:
@@ -105,7 +107,8 @@ class AdapterState(BaseModel):
         }
 
     def next_version(self) -> int:
-        return max(self.versions, default=0) + 1
+        # Version numbers are engine and cache keys ("name@3"): a deleted number must never come back.
+        return max(max(self.versions, default=0), self.last_version) + 1
 
 
 class AuditEntry(BaseModel):

@@ -223,9 +223,14 @@ def _check_tensors(tensors: dict[str, TensorInfo], file: str, cfg: PeftAdapterCo
 
 def _check_finite(path: Path) -> None:
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    for name, t in load_file(str(path)).items():
+    try:
+        tensors = load_file(str(path))
+    except SafetensorError as e:  # whatever the header checks missed is still the file's fault, not ours
+        raise _fail(f"malformed safetensors file {path.name}: {e}", "bad_safetensors") from e
+    for name, t in tensors.items():
         if not torch.isfinite(t).all():
             raise _fail(f"tensor {name!r} in {path.name} contains NaN or Inf", "non_finite")
 
