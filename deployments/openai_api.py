@@ -131,12 +131,20 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first.
         return _tenant(deps, request)
 
+    # The resolver's listing is a snapshot that stays the same object until the registry changes, so the rendered
+    # body is kept per tenant and re-rendered only after a change: O(1) per request at any number of adapters.
+    rendered: dict[str, tuple[Any, bytes]] = {}
+
     @app.get("/v1/models")
-    async def models(tenant: str = Depends(authenticated)) -> dict:
+    async def models(tenant: str = Depends(authenticated)) -> Response:
         records = await run_in_threadpool(deps.resolver.list_adapters, tenant)
-        adapters = {(r.name, None if r.visibility == "public" else r.owner_tenant)
-                    for r in records if r.base_model == deps.base_name}
-        return R.model_list(deps.base_name, sorted(adapters), int(deps.clock()))
+        cached = rendered.get(tenant)
+        if cached is None or cached[0] is not records:
+            adapters = {(r.name, None if r.visibility == "public" else r.owner_tenant)
+                        for r in records if r.base_model == deps.base_name}
+            body = JSONResponse(R.model_list(deps.base_name, sorted(adapters), int(deps.clock()))).body
+            cached = rendered[tenant] = (records, body)
+        return Response(cached[1], media_type="application/json")
 
     async def _run(tenant: str, body: Any, chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
