@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from registry.auth import Principal, TokenAuth, tokens_from_env
@@ -21,6 +21,9 @@ from registry.registry import Registry
 from registry.uploads import UploadArea, UploadStatus
 
 __all__ = ["create_app"]
+
+
+_AUDIT_LIST = TypeAdapter(list[AuditEntry])
 
 
 class _Body(BaseModel):
@@ -193,7 +196,9 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
                       limit: Annotated[int, Query(ge=1, le=1000)] = 100):
         page = registry.list_page(cursor, limit)
         items = [_summary(s) for s in page if _can_see(p, s)]
-        return AdapterPage(items=items, next_cursor=page[-1].name if len(page) == limit else None)
+        # Serialized here, not re-validated against response_model by FastAPI: that doubled a page's time.
+        return Response(AdapterPage(items=items, next_cursor=page[-1].name if len(page) == limit else None)
+                        .model_dump_json(), media_type="application/json")
 
     @app.get("/v1/adapters/{name}", response_model=AdapterState)
     def show(name: Name, p: Caller):
@@ -281,6 +286,7 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
               limit: Annotated[int, Query(ge=1, le=1000)] = 100,
               order: Literal["newest", "oldest"] = "newest"):
         _require_admin(p)
-        return registry.audit(name, after_seq, limit, before_seq=before_seq, newest_first=order == "newest")
+        entries = registry.audit(name, after_seq, limit, before_seq=before_seq, newest_first=order == "newest")
+        return Response(_AUDIT_LIST.dump_json(entries), media_type="application/json")
 
     return app
