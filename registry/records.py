@@ -30,13 +30,13 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class AdapterStatus(str, Enum):
-    staged = "staged"  # version number reserved, files being fetched/validated
+    staged = "staged"  # older records only: registration now records a version once its files validated
     ready = "ready"  # validated and stored, not serving
     active = "active"  # the version `resolve` returns
     canary = "canary"  # served to a weighted share of requests beside the active one
     disabled = "disabled"  # would serve, but the adapter is switched off
     retired = "retired"  # withdrawn for good; never served again
-    failed = "failed"  # validation refused it; `failure_reason` says why
+    failed = "failed"  # older records only: a refusal now records nothing (see the register_rejected audit entry)
 
 
 # Versions whose status follows from the head (active/canary pointers and the disabled flag).
