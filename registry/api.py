@@ -181,7 +181,7 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
         tenant = body.tenant
         if p.role == "admin" and tenant is None:
             # an admin adding a version to an existing adapter acts on behalf of its owner
-            existing = registry.metadata.get_state(body.name) if isinstance(body.name, str) else None
+            existing = registry.metadata.get_serving_state(body.name)
             tenant = existing.owner_tenant if existing else None
         if p.role == "publisher":
             if tenant not in (None, p.tenant):

@@ -48,6 +48,27 @@ redis.call('PUBLISH', ARGV[1], cjson.encode({name = ARGV[2], action = ARGV[3], r
 return rev
 """
 
+# KEYS: head:{name} for n names, then versions:{name} for the same names. -> per name {head, active, canary}
+# ('' where absent: a nil would cut the reply short).
+_SERVING_LUA = """
+local n = #KEYS / 2
+local out = {}
+for i = 1, n do
+  local head = redis.call('GET', KEYS[i])
+  local row = {'', '', ''}
+  if head then
+    row[1] = head
+    local h = cjson.decode(head)
+    for j, field in ipairs({'active_version', 'canary_version'}) do
+      local v = h[field]
+      if v and v ~= cjson.null then row[j + 1] = redis.call('HGET', KEYS[n + i], string.format('%d', v)) or '' end
+    end
+  end
+  out[i] = row
+end
+return out
+"""
+
 
 class RedisMetadataStore:
     def __init__(self, url: str | None = None, prefix: str = "loraserve:registry", *,
@@ -57,6 +78,7 @@ class RedisMetadataStore:
         self._retention = audit_retention
         self._max_retries = max_retries
         self._commit = self._r.register_script(_COMMIT_LUA)
+        self._serving = self._r.register_script(_SERVING_LUA)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._p, *parts))
@@ -81,17 +103,17 @@ class RedisMetadataStore:
         return [s for s in (self.get_state(n) for n in names) if s is not None]
 
     def _serving_views(self, names: list[str]) -> list[AdapterState]:
-        """Heads of `names` in one round trip, then their active and canary records in one more."""
-        pipe = self._r.pipeline(transaction=False)
-        for n in names:
-            pipe.get(self._k("head", n))
-        heads = [(n, AdapterState.model_validate_json(h)) for n, h in zip(names, pipe.execute()) if h is not None]
-        for n, st in heads:
-            pipe.hmget(self._k("versions", n), [str(st.active_version or 0), str(st.canary_version or 0)])
+        """Heads of `names` with their active and canary records, in one script call (one instant: a head never
+        comes back without the records it points at)."""
+        if not names:
+            return []
+        keys = [self._k("head", n) for n in names] + [self._k("versions", n) for n in names]
         out = []
-        for (n, st), recs in zip(heads, pipe.execute()):
-            found = [AdapterRecord.model_validate_json(r) for r in recs if r is not None]
-            out.append(st.model_copy(update={"versions": {r.version: r for r in found}}))
+        for n, (head, active, canary) in zip(names, self._serving(keys=keys)):
+            if not head:
+                continue
+            found = [AdapterRecord.model_validate_json(r) for r in (active, canary) if r]
+            out.append(AdapterState.model_validate_json(head).model_copy(update={"versions": {r.version: r for r in found}}))
         return out
 
     def get_serving_state(self, name: str) -> AdapterState | None:
