@@ -49,7 +49,7 @@ def _read_config(name: str, path: str) -> dict:
     try:
         with open(cfg_path) as f:
             return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise AdapterError(name, f"malformed {ADAPTER_CONFIG}: {e}") from None
 
 

@@ -223,7 +223,7 @@ def plan_adapter(cfg: Any, num_layers: int) -> LoraPlan:
         value = cfg.get(field) or {}
         kinds = (int,) if field == "rank_pattern" else (int, float)
         if not isinstance(value, dict) or not all(isinstance(v, kinds) and not isinstance(v, bool) and v > 0
-                                                  for v in value.values()):
+                                                  and math.isfinite(v) for v in value.values()):
             raise LoraConfigError(f"field {field!r} must map module patterns to positive numbers, got {value!r}")
         patterns[field] = value
     compiled = {k: _compile(rf"(.*\.)?({k})$", f"{f} key") for f in patterns for k in patterns[f]}

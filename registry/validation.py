@@ -76,7 +76,7 @@ def check_file_set(names: list[str], declared: dict[str, str]) -> None:
 def _parse_config(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise _fail(f"{CONFIG_FILE} is malformed JSON: {e}", "bad_config") from e
     if not isinstance(raw, dict):
         raise _fail(f"{CONFIG_FILE} must be a JSON object", "bad_config")

@@ -125,6 +125,10 @@ CASES = {
         {Q_A: {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}).encode(), data=b"\0" * 20), None, None,
         BASE, "bad_safetensors", "trailing bytes"),
     "nested_metadata": ("a", lambda d: _nest_metadata(d), None, None, BASE, "bad_safetensors", "__metadata__"),
+    "deeply_nested_config": ("a", _write("adapter_config.json", b"[" * 100_000 + b"]" * 100_000), None, None, BASE,
+                             "bad_config", "malformed"),
+    "infinite_alpha_pattern": ("a", _edit_config(alpha_pattern={"q_proj": float("inf")}), None, None, BASE,
+                               "bad_config", "alpha_pattern"),
 }
 
 
