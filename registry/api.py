@@ -131,7 +131,8 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
     errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 422)}
     app = FastAPI(title="LoRA adapter registry", version="1", responses=errors, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    uploads = UploadArea(registry.settings.upload_dir, registry.settings.max_files, registry.settings.max_file_bytes)
+    uploads = UploadArea(registry.settings.upload_dir, registry.settings.max_files, registry.settings.max_file_bytes,
+                         registry.settings.upload_ttl_s)
 
     @app.exception_handler(RegistryError)
     async def _registry_error(request: Request, exc: RegistryError):

@@ -4,14 +4,17 @@
 The client derives `upload_id` from the files' hashes, so a retried push lands in the same directory and files
 already there with the right hash are skipped. A file is written under a temporary name, hashed while it
 streams, size-capped, and renamed into place only when its sha256 matches: a directory never shows a partial or
-wrong file.
+wrong file. Uploads untouched for `ttl_s` are removed when a new one starts (their files were copied into the
+blob store when registered, or never registered).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -32,10 +35,20 @@ class UploadArea:
     ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
     FILE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 
-    def __init__(self, root: Path, max_files: int, max_file_bytes: int):
+    def __init__(self, root: Path, max_files: int, max_file_bytes: int, ttl_s: float = 86400.0):
         self._root = Path(root)
         self._max_files = max_files
         self._max_file_bytes = max_file_bytes
+        self._ttl_s = ttl_s
+
+    def _prune(self) -> None:
+        cutoff = time.time() - self._ttl_s
+        for d in self._root.iterdir():
+            try:
+                if d.is_dir() and d.stat().st_mtime < cutoff:
+                    shutil.rmtree(d, ignore_errors=True)
+            except FileNotFoundError:  # removed by a concurrent prune
+                pass
 
     def _dir(self, upload_id: str) -> Path:
         return Path(os.path.realpath(self._root)) / upload_id
@@ -48,6 +61,9 @@ class UploadArea:
 
     async def put(self, upload_id: str, filename: str, sha256: str, body: AsyncIterator[bytes]) -> UploadStatus:
         d = self._dir(upload_id)
+        if not d.exists():
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._prune()
         d.mkdir(parents=True, exist_ok=True)
         dest = d / filename
         if dest.is_file() and sha256_file(dest) == sha256:

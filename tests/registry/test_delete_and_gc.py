@@ -105,3 +105,21 @@ def test_delete_and_gc_over_http_are_audited(reg0, stage):
     audit = client.get("/v1/audit", headers=ADMIN, params={"name": "h"}).json()
     assert [(e["action"], e["actor"]) for e in audit] == [("delete_adapter", "root"), ("promote", "root"),
                                                           ("register", "root")]
+
+
+def test_stale_uploads_are_removed_when_a_new_upload_starts(make_registry, tmp_path):
+    import hashlib
+    import os
+
+    reg = make_registry("sqlite+local", upload_ttl_s=3600)
+    client = TestClient(create_app(reg, {"adm": {"role": "admin", "name": "root"}}))
+    stale, fresh = reg.settings.upload_dir / "stale-upload-1", reg.settings.upload_dir / "fresh-upload-1"
+    for d in (stale, fresh):
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+    os.utime(stale, (0, 0))
+    body = b'{"r": 4}'
+    r = client.put("/v1/uploads/new-upload-01/adapter_config.json", content=body,
+                   headers=ADMIN | {"X-Content-SHA256": hashlib.sha256(body).hexdigest()})
+    assert r.status_code == 200 and r.json()["files"] == {"adapter_config.json": hashlib.sha256(body).hexdigest()}
+    assert not stale.exists() and fresh.exists()
