@@ -8,7 +8,6 @@ import uuid
 
 import pytest
 
-from registry.metadata_store import Mutation
 from registry.records import AuditEntry
 from registry.redis_store import RedisMetadataStore
 from registry.sqlite_store import SQLiteMetadataStore

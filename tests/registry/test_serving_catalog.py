@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from fastapi.testclient import TestClient
 
 from deployments.openai_api import IngressDeps, create_openai_app
