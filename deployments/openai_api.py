@@ -180,14 +180,23 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first.
         return _tenant(deps, request)
 
-    async def visible_models(tenant: str) -> list[tuple[str, Optional[str]]]:
-        records = await run_in_threadpool(deps.resolver.list_adapters, tenant)
+    def visible(records) -> list[tuple[str, Optional[str]]]:
+        """(name, owner tenant or None when public) of the adapters on this base, from the resolver's listing."""
         return sorted({(r.name, None if r.visibility == "public" else r.owner_tenant)
                        for r in records if r.base_model == deps.base_name})
 
+    # The resolver's listing is a snapshot that stays the same object until the registry changes, so the rendered
+    # body is kept per tenant and re-rendered only after a change: O(1) per request at any number of adapters.
+    rendered: dict[str, tuple[Any, bytes]] = {}
+
     @app.get("/v1/models")
-    async def models(tenant: str = Depends(authenticated)) -> dict:
-        return R.model_list(deps.base_name, await visible_models(tenant), int(deps.clock()))
+    async def models(tenant: str = Depends(authenticated)) -> Response:
+        records = await run_in_threadpool(deps.resolver.list_adapters, tenant)
+        cached = rendered.get(tenant)
+        if cached is None or cached[0] is not records:
+            body = JSONResponse(R.model_list(deps.base_name, visible(records), int(deps.clock()))).body
+            cached = rendered[tenant] = (records, body)
+        return Response(cached[1], media_type="application/json")
 
     @app.get("/v1/models/{model_id}")
     async def model(model_id: str, tenant: str = Depends(authenticated)) -> dict:
@@ -200,9 +209,11 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         if ref is not None and ref.adapter is None:
             return R.model_object(deps.base_name, deps.base_name, None, created)
         if ref is not None and ref.base in (None, deps.base_name):
-            for name, owner in await visible_models(tenant):
-                if name == ref.adapter:
-                    return R.model_object(name, deps.base_name, owner, created)
+            records = await run_in_threadpool(deps.resolver.list_adapters, tenant)
+            for r in records:
+                if r.name == ref.adapter and r.base_model == deps.base_name:
+                    owner = None if r.visibility == "public" else r.owner_tenant
+                    return R.model_object(r.name, deps.base_name, owner, created)
         raise APIError(404, f"The model {model_id!r} does not exist or you do not have access to it.",
                        code="model_not_found", param="model")
 

@@ -1,13 +1,16 @@
 """Control-plane REST API (FastAPI). `create_app(registry, tokens)` is mountable in Ray Serve; standalone:
-`uvicorn --factory registry.api:create_app` (settings and tokens from the environment)."""
+`uvicorn --factory registry.api:create_app` (settings and tokens from the environment).
 
+Request bodies are strict (no bool or string where a number is due, no unknown fields); the OpenAPI schema and
+its docs page need the admin token like every other route."""
 
-from typing import Annotated
+from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from registry.auth import Principal, TokenAuth, tokens_from_env
@@ -15,39 +18,48 @@ from registry.base_model import BaseModelSpec
 from registry.errors import AdapterNotFound, PermissionDenied, RegistryError
 from registry.records import AdapterRecord, AdapterState, AuditEntry, Visibility
 from registry.registry import Registry
+from registry.uploads import UploadArea, UploadStatus
 
 __all__ = ["create_app"]
 
 
-class RegisterRequest(BaseModel):
-    name: str = Field(description="adapter name; 1-64 of [A-Za-z0-9_.-]")
-    source_uri: str = Field(description="s3://bucket/prefix/dir under an allowed prefix, or an absolute local "
-                                        "directory under an allowed root")
-    sha256: dict[str, str] = Field(description="file name -> hex sha256, one per file in the source")
-    base_model: str
-    tenant: str | None = Field(default=None, description="owner tenant (publishers: their own, implied)")
+_AUDIT_LIST = TypeAdapter(list[AuditEntry])
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterRequest(_Body):
+    name: StrictStr = Field(description="adapter name; 1-64 of [A-Za-z0-9_.-]")
+    source_uri: StrictStr = Field(description="s3://bucket/prefix/dir under an allowed prefix, an absolute local "
+                                              "directory under an allowed root, or an upload's source_uri")
+    sha256: dict[StrictStr, StrictStr] = Field(description="file name -> hex sha256, one per file in the source")
+    base_model: StrictStr
+    tenant: StrictStr | None = Field(default=None, description="owner tenant (publishers: their own, implied)")
     visibility: Visibility = Visibility.public
-    labels: dict[str, str] = Field(default_factory=dict)
-    description: str = Field(default="", max_length=4000)
-    activate: bool = Field(default=False, description="promote right after validation")
+    labels: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+    description: StrictStr = Field(default="", max_length=4000)
+    activate: StrictBool = Field(default=False, description="promote right after validation")
 
 
 MAX_INT = 2**62  # keeps ids inside SQLite INTEGER and Redis stream-id range
+Version = Annotated[StrictInt, Field(ge=1, le=MAX_INT)]
 
 
-class PromoteRequest(BaseModel):
-    version: int = Field(ge=1, le=MAX_INT)
+class PromoteRequest(_Body):
+    version: Version
 
 
-class CanaryRequest(BaseModel):
-    version: int = Field(ge=1, le=MAX_INT)
-    weight: float = Field(gt=0.0, lt=1.0, description="share of requests served by the canary version")
+class CanaryRequest(_Body):
+    version: Version
+    weight: float = Field(gt=0.0, lt=1.0, strict=True, description="share of requests served by the canary version")
 
 
-class BaseModelRequest(BaseModel):
-    name: str
+class BaseModelRequest(_Body):
+    name: StrictStr
     config: dict = Field(description="the model's config.json contents")
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[StrictStr] = Field(default_factory=list)
 
 
 class AdapterSummary(BaseModel):
@@ -57,8 +69,23 @@ class AdapterSummary(BaseModel):
     canary_version: int | None
     canary_weight: float
     disabled: bool
-    latest_version: int | None
+    latest_version: int | None = Field(description="highest version number issued")
     active: AdapterRecord | None
+
+
+class AdapterPage(BaseModel):
+    items: list[AdapterSummary]
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null at the end")
+
+
+class DeleteResult(BaseModel):
+    name: str
+    deleted_versions: list[int]
+    deleted_blobs: list[str]
+
+
+class GcResult(BaseModel):
+    deleted_blobs: list[str]
 
 
 class ErrorBody(BaseModel):
@@ -80,7 +107,7 @@ def _error(status: int, message: str, code: str, headers: dict | None = None) ->
 def _summary(state: AdapterState) -> AdapterSummary:
     return AdapterSummary(name=state.name, owner_tenant=state.owner_tenant, active_version=state.active_version,
                           canary_version=state.canary_version, canary_weight=state.canary_weight,
-                          disabled=state.disabled, latest_version=max(state.versions, default=None),
+                          disabled=state.disabled, latest_version=max(state.last_version, max(state.versions, default=0)) or None,
                           active=state.versions.get(state.active_version) if state.active_version else None)
 
 
@@ -102,7 +129,10 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
     Caller = Annotated[Principal, Depends(auth)]
     Name = Annotated[str, Path(description="adapter name")]
     errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 422)}
-    app = FastAPI(title="LoRA adapter registry", version="1", responses=errors)
+    app = FastAPI(title="LoRA adapter registry", version="1", responses=errors, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    uploads = UploadArea(registry.settings.upload_dir, registry.settings.max_files, registry.settings.max_file_bytes,
+                         registry.settings.upload_ttl_s)
 
     @app.exception_handler(RegistryError)
     async def _registry_error(request: Request, exc: RegistryError):
@@ -131,12 +161,28 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
     def healthz() -> dict:
         return {"status": "ok", "revision": registry.revision()}
 
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(p: Caller) -> JSONResponse:
+        _require_admin(p)
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    def docs(request: Request, p: Caller) -> HTMLResponse:
+        # The browser fetches the schema itself, so the page carries the token it was opened with.
+        _require_admin(p)
+        root = request.scope.get("root_path", "").rstrip("/")
+        token = request.headers["authorization"].partition(" ")[2].strip()
+        html = get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=app.title).body.decode()
+        inject = ("requestInterceptor: (r) => { r.headers['Authorization'] = 'Bearer ' + "
+                  f"{token!r}; return r; }},")
+        return HTMLResponse(html.replace("dom_id:", inject + "\n    dom_id:", 1))
+
     @app.post("/v1/adapters", status_code=201, response_model=AdapterRecord)
     def register(body: RegisterRequest, p: Caller):
         tenant = body.tenant
         if p.role == "admin" and tenant is None:
             # an admin adding a version to an existing adapter acts on behalf of its owner
-            existing = registry.metadata.get_state(body.name) if isinstance(body.name, str) else None
+            existing = registry.metadata.get_serving_state(body.name)
             tenant = existing.owner_tenant if existing else None
         if p.role == "publisher":
             if tenant not in (None, p.tenant):
@@ -146,9 +192,14 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
                                  visibility=body.visibility, actor=p.name, labels=body.labels,
                                  description=body.description, activate=body.activate)
 
-    @app.get("/v1/adapters", response_model=list[AdapterSummary])
-    def list_adapters(p: Caller):
-        return [_summary(s) for s in registry.list_states() if _can_see(p, s)]
+    @app.get("/v1/adapters", response_model=AdapterPage)
+    def list_adapters(p: Caller, cursor: Annotated[str | None, Query(max_length=64)] = None,
+                      limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+        page = registry.list_page(cursor, limit)
+        items = [_summary(s) for s in page if _can_see(p, s)]
+        # Serialized here, not re-validated against response_model by FastAPI: that doubled a page's time.
+        return Response(AdapterPage(items=items, next_cursor=page[-1].name if len(page) == limit else None)
+                        .model_dump_json(), media_type="application/json")
 
     @app.get("/v1/adapters/{name}", response_model=AdapterState)
     def show(name: Name, p: Caller):
@@ -186,10 +237,39 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
         owned_state(p, name)
         return registry.enable(name, actor=p.name)
 
-    @app.delete("/v1/adapters/{name}/versions/{version}", response_model=AdapterState)
+    @app.post("/v1/adapters/{name}/versions/{version}/retire", response_model=AdapterState)
     def retire(name: Name, version: Annotated[int, Path(ge=1, le=MAX_INT)], p: Caller):
         owned_state(p, name)
         return registry.retire(name, version, actor=p.name)
+
+    @app.delete("/v1/adapters/{name}/versions/{version}", response_model=DeleteResult)
+    def delete_version(name: Name, version: Annotated[int, Path(ge=1, le=MAX_INT)], p: Caller,
+                       force: Annotated[bool, Query(description="also the active version")] = False):
+        owned_state(p, name)
+        return registry.delete_version(name, version, force=force, actor=p.name)
+
+    @app.delete("/v1/adapters/{name}", response_model=DeleteResult)
+    def delete_adapter(name: Name, p: Caller,
+                       force: Annotated[bool, Query(description="even with an active version")] = False):
+        owned_state(p, name)
+        return registry.delete_adapter(name, force=force, actor=p.name)
+
+    @app.post("/v1/gc", response_model=GcResult)
+    def collect_garbage(p: Caller):
+        _require_admin(p)
+        return GcResult(deleted_blobs=registry.collect_garbage())
+
+    @app.put("/v1/uploads/{upload_id}/{filename}", response_model=UploadStatus)
+    async def upload_file(upload_id: Annotated[str, Path(pattern=UploadArea.ID_PATTERN)],
+                          filename: Annotated[str, Path(pattern=UploadArea.FILE_PATTERN)], request: Request,
+                          p: Caller, x_content_sha256: Annotated[str, Header(pattern=r"^[0-9a-f]{64}$")]):
+        """Stream one file of an upload (the body is the file's bytes); checked against X-Content-SHA256.
+        Idempotent: re-sending a file that is already there with the same hash costs nothing."""
+        return await uploads.put(upload_id, filename, x_content_sha256, request.stream())
+
+    @app.get("/v1/uploads/{upload_id}", response_model=UploadStatus)
+    def upload_status(upload_id: Annotated[str, Path(pattern=UploadArea.ID_PATTERN)], p: Caller):
+        return uploads.status(upload_id)
 
     @app.post("/v1/base-models", status_code=201, response_model=BaseModelSpec)
     def register_base_model(body: BaseModelRequest, p: Caller):
@@ -201,9 +281,13 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
         return registry.list_base_models()
 
     @app.get("/v1/audit", response_model=list[AuditEntry])
-    def audit(p: Caller, name: str | None = None, after_seq: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
-              limit: Annotated[int, Query(ge=1, le=1000)] = 100):
+    def audit(p: Caller, name: Annotated[str | None, Query(max_length=200)] = None,
+              after_seq: Annotated[int, Query(ge=0, le=MAX_INT)] = 0,
+              before_seq: Annotated[int | None, Query(ge=1, le=MAX_INT)] = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+              order: Literal["newest", "oldest"] = "newest"):
         _require_admin(p)
-        return registry.audit(name, after_seq, limit)
+        entries = registry.audit(name, after_seq, limit, before_seq=before_seq, newest_first=order == "newest")
+        return Response(_AUDIT_LIST.dump_json(entries), media_type="application/json")
 
     return app

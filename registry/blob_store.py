@@ -39,6 +39,12 @@ class BlobStore(Protocol):
 
     def list(self) -> list[str]: ...
 
+    def modified_at(self, sha256: str) -> float | None:
+        """When the blob was last written or re-put (epoch seconds); None if absent."""
+        ...
+
+    def delete(self, sha256: str) -> None: ...
+
 
 class LocalBlobStore:
     def __init__(self, root: str | Path):
@@ -53,6 +59,7 @@ class LocalBlobStore:
     def put(self, sha256: str, path: Path, progress: Progress | None = None) -> None:
         dst = self._path(sha256)
         if dst.exists():
+            os.utime(dst)  # a re-put marks the blob as wanted again (garbage collection's grace period)
             if progress:
                 progress(path.stat().st_size)
             return
@@ -78,6 +85,15 @@ class LocalBlobStore:
 
     def exists(self, sha256: str) -> bool:
         return self._path(sha256).exists()
+
+    def modified_at(self, sha256: str) -> float | None:
+        try:
+            return self._path(sha256).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def delete(self, sha256: str) -> None:
+        self._path(sha256).unlink(missing_ok=True)
 
     def list(self) -> list[str]:
         base = self._root / "sha256"

@@ -1,11 +1,14 @@
-"""Operator CLI `lora-registry`: push an adapter directory (staging upload with a progress bar, then register),
-list, show, promote, canary, rollback, disable, enable, retire, audit, base-model.
+"""Operator CLI `lora-registry`: push an adapter directory (upload with a progress bar, then register),
+list, show, promote, canary, rollback, disable, enable, retire, delete, gc, audit, base-model.
 
-Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (token from --token or
-LORA_REGISTRY_TOKEN), else opens the registry directly from the environment settings (REGISTRY_DB, REDIS_URL, ...).
-Pushing uploads the files into the staging area the registry accepts sources from (the first ALLOWED_S3_PREFIXES
-entry, else the first ALLOWED_LOCAL_ROOTS entry, or --staging), so the upload goes through the same validation
-as any registration.
+Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (the server root, e.g.
+http://host:8000, or the control plane's own root; token from --token or LORA_REGISTRY_TOKEN), else opens the
+registry directly from the environment settings (REGISTRY_DB, REDIS_URL, ...).
+Over HTTP, push streams each file to the control plane's upload area (PUT /v1/uploads/{id}/{file}, the id derived
+from the files' hashes, so a retried or interrupted push resumes where it stopped), then registers it. Directly,
+push copies the files into a staging area the registry accepts sources from (the first ALLOWED_S3_PREFIXES entry,
+else the first ALLOWED_LOCAL_ROOTS entry, or --staging). Either way the files go through the same validation as
+any registration.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -33,28 +37,67 @@ class CliError(Exception):
 
 # -- backends: same methods, one over HTTP, one on a local Registry -------------------------------------------
 class HttpBackend:
+    RETRIES = 4
+
     def __init__(self, url: str, token: str | None):
         import httpx
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._c = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=600)
+        self._c = httpx.Client(base_url=self._control_plane_root(url.rstrip("/")), headers=headers, timeout=600)
+
+    @staticmethod
+    def _control_plane_root(url: str) -> str:
+        """The server root (the Serve app mounts the control plane at /admin) or the control plane's own root."""
+        import httpx
+
+        for base in (url, url + "/admin"):
+            try:
+                r = httpx.get(base + "/healthz", timeout=30)
+                if r.status_code == 200 and "revision" in r.json():
+                    return base
+            except (httpx.HTTPError, ValueError):
+                continue
+        raise CliError(f"no control plane at {url} (tried {url}/healthz and {url}/admin/healthz)")
 
     def _call(self, method: str, path: str, **kw) -> Any:
-        r = self._c.request(method, path, **kw)
-        if r.status_code >= 400:
-            try:
-                err = r.json()["error"]
-                msg = f"{err['code']}: {err['message']}"
-            except (ValueError, KeyError, TypeError):
-                msg = r.text
-            raise CliError(f"HTTP {r.status_code} {msg}")
-        return r.json()
+        return _checked(self._c.request(method, path, **kw))
+
+    def upload(self, directory: Path, sha: dict[str, str], name: str) -> str:
+        """Stream the files to the control plane's upload area -> the source URI to register. Transport errors
+        and 5xx are retried; files already uploaded (same hash) are skipped, so a re-run resumes."""
+        import httpx
+
+        upload_id = hashlib.sha256(json.dumps(sorted(sha.items())).encode()).hexdigest()[:32]
+        have = self._call("GET", f"/v1/uploads/{upload_id}")["files"]
+        sizes = {f: (directory / f).stat().st_size for f in sha}
+        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"push {name}", file=sys.stderr) as bar:
+            for f in sorted(sha):
+                if have.get(f) == sha[f]:
+                    bar.update(sizes[f])
+                    continue
+                for attempt in range(self.RETRIES):
+                    sent = [0]
+                    try:
+                        r = self._c.put(f"/v1/uploads/{upload_id}/{f}", content=_chunks(directory / f, bar, sent),
+                                        headers={"X-Content-SHA256": sha[f]})
+                    except httpx.TransportError as e:
+                        r, why = None, str(e)
+                    else:
+                        why = f"HTTP {r.status_code}"
+                    if r is not None and r.status_code < 500:
+                        break
+                    bar.update(-sent[0])
+                    if attempt == self.RETRIES - 1:
+                        raise CliError(f"upload of {f} failed after {self.RETRIES} attempts: {why}")
+                    time.sleep(0.5 * 2**attempt)
+                have = _checked(r)["files"]
+        return self._call("GET", f"/v1/uploads/{upload_id}")["source_uri"]
 
     def register(self, body: dict) -> Any:
         return self._call("POST", "/v1/adapters", json=body)
 
-    def list(self) -> Any:
-        return self._call("GET", "/v1/adapters")
+    def list(self, cursor: str | None, limit: int) -> Any:
+        return self._call("GET", "/v1/adapters", params={"limit": limit} | ({"cursor": cursor} if cursor else {}))
 
     def show(self, name: str) -> Any:
         return self._call("GET", f"/v1/adapters/{name}")
@@ -63,14 +106,40 @@ class HttpBackend:
         return self._call("POST", f"/v1/adapters/{name}/{verb}", json=body)
 
     def retire(self, name: str, version: int) -> Any:
-        return self._call("DELETE", f"/v1/adapters/{name}/versions/{version}")
+        return self._call("POST", f"/v1/adapters/{name}/versions/{version}/retire")
 
-    def audit(self, name: str | None, after: int, limit: int) -> Any:
-        params = {"after_seq": after, "limit": limit} | ({"name": name} if name else {})
+    def delete(self, name: str, version: int | None, force: bool) -> Any:
+        path = f"/v1/adapters/{name}" + (f"/versions/{version}" if version is not None else "")
+        return self._call("DELETE", path, params={"force": str(force).lower()})
+
+    def gc(self) -> Any:
+        return self._call("POST", "/v1/gc")
+
+    def audit(self, name: str | None, after: int, limit: int, order: str) -> Any:
+        params = {"after_seq": after, "limit": limit, "order": order} | ({"name": name} if name else {})
         return self._call("GET", "/v1/audit", params=params)
 
     def base_model(self, name: str, config: dict) -> Any:
         return self._call("POST", "/v1/base-models", json={"name": name, "config": config})
+
+
+def _checked(r) -> Any:
+    if r.status_code >= 400:
+        try:
+            err = r.json()["error"]
+            msg = f"{err['code']}: {err['message']}"
+        except (ValueError, KeyError, TypeError):
+            msg = r.text
+        raise CliError(f"HTTP {r.status_code} {msg}")
+    return r.json()
+
+
+def _chunks(path: Path, bar: tqdm, sent: list[int]):
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            sent[0] += len(chunk)
+            bar.update(len(chunk))
+            yield chunk
 
 
 class LocalBackend:
@@ -83,8 +152,12 @@ class LocalBackend:
     def register(self, body: dict) -> Any:
         return self._reg.register(actor=self._actor, **body).model_dump(mode="json")
 
-    def list(self) -> Any:
-        return [s.model_dump(mode="json", exclude={"versions"}) for s in self._reg.list_states()]
+    def list(self, cursor: str | None, limit: int) -> Any:
+        from registry.api import AdapterPage, _summary
+
+        page = self._reg.list_page(cursor, limit)
+        return AdapterPage(items=[_summary(s) for s in page],
+                           next_cursor=page[-1].name if len(page) == limit else None).model_dump(mode="json")
 
     def show(self, name: str) -> Any:
         return self._reg.get(name).model_dump(mode="json")
@@ -98,8 +171,17 @@ class LocalBackend:
     def retire(self, name: str, version: int) -> Any:
         return self._reg.retire(name, version, actor=self._actor).model_dump(mode="json")
 
-    def audit(self, name: str | None, after: int, limit: int) -> Any:
-        return [e.model_dump(mode="json") for e in self._reg.audit(name, after, limit)]
+    def delete(self, name: str, version: int | None, force: bool) -> Any:
+        if version is None:
+            return self._reg.delete_adapter(name, force=force, actor=self._actor)
+        return self._reg.delete_version(name, version, force=force, actor=self._actor)
+
+    def gc(self) -> Any:
+        return {"deleted_blobs": self._reg.collect_garbage()}
+
+    def audit(self, name: str | None, after: int, limit: int, order: str) -> Any:
+        entries = self._reg.audit(name, after, limit, newest_first=order == "newest")
+        return [e.model_dump(mode="json") for e in entries]
 
     def base_model(self, name: str, config: dict) -> Any:
         return self._reg.register_base_model(name, config, actor=self._actor).model_dump(mode="json")
@@ -145,11 +227,14 @@ def _push(args, backend, settings: RegistrySettings) -> Any:
     if not directory.is_dir():
         raise CliError(f"{directory} is not a directory")
     sha = _hash_files(directory)
-    staging = args.staging or (settings.allowed_s3_prefixes[0] if settings.allowed_s3_prefixes
-                               else str(settings.allowed_local_roots[0]) if settings.allowed_local_roots else None)
-    if staging is None:
-        raise CliError("no staging area: set ALLOWED_S3_PREFIXES or ALLOWED_LOCAL_ROOTS, or pass --staging")
-    uri = _upload(directory, sorted(sha), staging, args.name, settings)
+    if isinstance(backend, HttpBackend):
+        uri = backend.upload(directory, sha, args.name)
+    else:
+        staging = args.staging or (settings.allowed_s3_prefixes[0] if settings.allowed_s3_prefixes
+                                   else str(settings.allowed_local_roots[0]) if settings.allowed_local_roots else None)
+        if staging is None:
+            raise CliError("no staging area: set ALLOWED_S3_PREFIXES or ALLOWED_LOCAL_ROOTS, or pass --staging")
+        uri = _upload(directory, sorted(sha), staging, args.name, settings)
     labels = dict(kv.split("=", 1) for kv in args.label)
     body = {"name": args.name, "source_uri": uri, "sha256": sha, "base_model": args.base_model,
             "tenant": args.tenant, "visibility": args.visibility, "labels": labels,
@@ -159,7 +244,8 @@ def _push(args, backend, settings: RegistrySettings) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lora-registry", description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=os.environ.get("LORA_REGISTRY_URL"), help="control-plane URL (else direct)")
+    p.add_argument("--url", default=os.environ.get("LORA_REGISTRY_URL"),
+                   help="server root, e.g. http://127.0.0.1:8000 (else the registry is opened directly)")
     p.add_argument("--token", default=os.environ.get("LORA_REGISTRY_TOKEN"), help="bearer token for --url")
     p.add_argument("--actor", default=os.environ.get("USER", "operator"), help="audit 'who' in direct mode")
     sub = p.add_subparsers(dest="command", required=True)
@@ -172,8 +258,15 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--label", action="append", default=[], help="key=value, repeatable")
     push.add_argument("--description", default="")
     push.add_argument("--activate", action="store_true", help="promote right after validation")
-    push.add_argument("--staging", help="staging root (local dir under an allowed root, or s3://bucket/prefix)")
-    sub.add_parser("list", help="list adapters")
+    push.add_argument("--staging", help="direct mode: staging root (local dir under an allowed root, or s3://...)")
+    sp = sub.add_parser("list", help="one page of adapters, by name")
+    sp.add_argument("--cursor", help="next_cursor of the previous page")
+    sp.add_argument("--limit", type=int, default=100)
+    sp = sub.add_parser("delete", help="delete an adapter (or one --version) and its unshared blobs")
+    sp.add_argument("name")
+    sp.add_argument("--version", type=int)
+    sp.add_argument("--force", action="store_true", help="even the active version")
+    sub.add_parser("gc", help="delete blobs no version references")
     for cmd in ("show", "rollback", "disable", "enable"):
         sub.add_parser(cmd).add_argument("name")
     for cmd in ("promote", "retire"):
@@ -188,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--name")
     sp.add_argument("--after", type=int, default=0)
     sp.add_argument("--limit", type=int, default=100)
+    sp.add_argument("--order", choices=["newest", "oldest"], default="newest")
     sp = sub.add_parser("base-model", help="register a base model from its directory (config.json)")
     sp.add_argument("name")
     sp.add_argument("model_dir")
@@ -199,7 +293,11 @@ def _dispatch(args, backend, settings: RegistrySettings) -> Any:
         case "push":
             return _push(args, backend, settings)
         case "list":
-            return backend.list()
+            return backend.list(args.cursor, args.limit)
+        case "delete":
+            return backend.delete(args.name, args.version, args.force)
+        case "gc":
+            return backend.gc()
         case "show":
             return backend.show(args.name)
         case "promote":
@@ -211,7 +309,7 @@ def _dispatch(args, backend, settings: RegistrySettings) -> Any:
         case "retire":
             return backend.retire(args.name, args.version)
         case "audit":
-            return backend.audit(args.name, args.after, args.limit)
+            return backend.audit(args.name, args.after, args.limit, args.order)
         case "base-model":
             config = json.loads((Path(args.model_dir) / "config.json").read_text())
             return backend.base_model(args.name, config)

@@ -13,8 +13,8 @@ from typing import Any, Callable
 from registry.errors import AdapterNotFound, LifecycleConflict, RegistryValidationError
 from registry.records import SERVABLE_STATUSES, AdapterRecord, AdapterState, AdapterStatus
 
-__all__ = ["promote", "canary", "rollback", "disable", "enable", "retire", "add_version", "restatus", "apply",
-           "TRANSITIONS", "MAX_HISTORY"]
+__all__ = ["promote", "canary", "rollback", "disable", "enable", "retire", "add_version", "delete_version",
+           "restatus", "apply", "TRANSITIONS", "MAX_HISTORY"]
 
 MAX_HISTORY = 32  # previous active versions kept for rollback
 
@@ -108,8 +108,25 @@ def retire(state: AdapterState, version: int) -> AdapterState:
 
 
 def add_version(state: AdapterState, record: AdapterRecord) -> AdapterState:
-    """Insert or replace one version's record (staging, then ready/failed after validation)."""
-    return restatus(state.model_copy(update={"versions": {**state.versions, record.version: record}}))
+    """Insert or replace one version's record; the number is remembered so it is never issued again."""
+    return restatus(state.model_copy(update={"versions": {**state.versions, record.version: record},
+                                             "last_version": max(state.last_version, record.version)}))
+
+
+def delete_version(state: AdapterState, version: int, force: bool = False) -> AdapterState:
+    """Drop one version's record. The active version only with `force` (the adapter then has none active)."""
+    if version not in state.versions:
+        raise AdapterNotFound(f"adapter {state.name!r} has no version {version}")
+    if version == state.active_version and not force:
+        raise LifecycleConflict(f"cannot delete {state.name} v{version}: it is active; promote or roll back first, "
+                                f"or pass force=true")
+    versions = {v: r for v, r in state.versions.items() if v != version}
+    is_canary = state.canary_version == version
+    return restatus(state.model_copy(update={
+        "versions": versions, "history": [h for h in state.history if h != version],
+        "active_version": None if version == state.active_version else state.active_version,
+        "canary_version": None if is_canary else state.canary_version,
+        "canary_weight": 0.0 if is_canary else state.canary_weight}))
 
 
 # Explicit action -> transition table, used to replay audit entries ({"action", "details"}).
@@ -120,6 +137,7 @@ TRANSITIONS: dict[str, Callable[..., AdapterState]] = {
     "disable": lambda s, d: disable(s),
     "enable": lambda s, d: enable(s),
     "retire": lambda s, d: retire(s, d["version"]),
+    "delete_version": lambda s, d: delete_version(s, d["version"], d.get("force", False)),
 }
 
 

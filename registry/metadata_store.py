@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol
 from registry.base_model import BaseModelSpec
 from registry.records import AdapterState, AuditEntry
 
-__all__ = ["Mutation", "MetadataStore", "Event", "changed_versions"]
+__all__ = ["Mutation", "MetadataStore", "Event", "changed_versions", "removed_versions", "serving_view"]
 
 Event = dict[str, Any]  # {"name", "action", "revision"}
 
@@ -23,6 +23,7 @@ class Mutation:
     audit: AuditEntry  # seq is assigned by the store at commit
     state: AdapterState | None = None  # adapter state to write (None: audit-only)
     base_model: BaseModelSpec | None = None  # base-model spec to write
+    delete_adapter: bool = False  # drop the adapter's head and versions; its last version number is kept
 
 
 class MetadataStore(Protocol):
@@ -30,9 +31,22 @@ class MetadataStore(Protocol):
 
     def list_states(self) -> list[AdapterState]: ...
 
+    def get_serving_state(self, name: str) -> AdapterState | None:
+        """The head with only its active and canary versions (what a request can be served from)."""
+        ...
+
+    def page(self, after: str | None, limit: int) -> list[AdapterState]:
+        """Up to `limit` adapters with names > `after`, in name order, as serving views; bulk reads."""
+        ...
+
+    def iter_records(self):
+        """Every version record of every adapter, read in bulk (garbage collection of blobs)."""
+        ...
+
     def update(self, name: str, fn: Callable[[AdapterState | None], Mutation]) -> tuple[AdapterState | None, AuditEntry]:
         """Atomically: state -> fn(state) -> commit. Exceptions from fn abort with nothing written.
-        -> (state written or None, audit entry with its seq)."""
+        A deleted adapter reads as a state with no versions whose `last_version` survives, so numbers are never
+        reused. -> (state written or None, audit entry with its seq)."""
         ...
 
     def update_base_model(self, name: str, fn: Callable[[BaseModelSpec | None], Mutation]) -> AuditEntry: ...
@@ -45,7 +59,10 @@ class MetadataStore(Protocol):
         """Audit-only mutation (e.g. a registration refused before a version could be recorded)."""
         ...
 
-    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]: ...
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100, *, before_seq: int | None = None,
+              newest_first: bool = False) -> list[AuditEntry]:
+        """Entries with after_seq < seq < before_seq, oldest or newest first; by name through an index."""
+        ...
 
     def revision(self) -> int: ...
 
@@ -60,3 +77,12 @@ def changed_versions(before: AdapterState | None, after: AdapterState) -> list[i
     """Versions whose record differs, so a commit rewrites only those."""
     old = before.versions if before else {}
     return [v for v, rec in after.versions.items() if old.get(v) != rec]
+
+
+def removed_versions(before: AdapterState | None, after: AdapterState) -> list[int]:
+    return [v for v in (before.versions if before else {}) if v not in after.versions]
+
+
+def serving_view(state: AdapterState) -> AdapterState:
+    keep = {state.active_version, state.canary_version} - {None}
+    return state.model_copy(update={"versions": {v: r for v, r in state.versions.items() if v in keep}})

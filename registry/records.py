@@ -30,13 +30,13 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class AdapterStatus(str, Enum):
-    staged = "staged"  # version number reserved, files being fetched/validated
+    staged = "staged"  # older records only: registration now records a version once its files validated
     ready = "ready"  # validated and stored, not serving
     active = "active"  # the version `resolve` returns
     canary = "canary"  # served to a weighted share of requests beside the active one
     disabled = "disabled"  # would serve, but the adapter is switched off
     retired = "retired"  # withdrawn for good; never served again
-    failed = "failed"  # validation refused it; `failure_reason` says why
+    failed = "failed"  # older records only: a refusal now records nothing (see the register_rejected audit entry)
 
 
 # Versions whose status follows from the head (active/canary pointers and the disabled flag).
@@ -91,6 +91,8 @@ class AdapterState(BaseModel):
     canary_weight: float = 0.0
     disabled: bool = False
     history: list[int] = Field(default_factory=list, description="previous active versions, most recent last")
+    last_version: int = Field(default=0, ge=0, description="highest version number ever issued for this name; "
+                                                           "never reused, even after deletes")
     versions: dict[int, AdapterRecord] = Field(default_factory=dict)
 
     def head(self) -> dict[str, Any]:
@@ -105,7 +107,8 @@ class AdapterState(BaseModel):
         }
 
     def next_version(self) -> int:
-        return max(self.versions, default=0) + 1
+        # Version numbers are engine and cache keys ("name@3"): a deleted number must never come back.
+        return max(max(self.versions, default=0), self.last_version) + 1
 
 
 class AuditEntry(BaseModel):

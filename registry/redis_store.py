@@ -2,8 +2,10 @@
 version history in a per-adapter hash, the audit log as a stream whose entry ids are the revisions, and a
 pub/sub channel that tells serving replicas what changed.
 
-Keys under `prefix`: names (set), head:{name} (JSON), versions:{name} (hash version -> record JSON),
-base_models (hash), revision (counter), audit (stream, id "{seq}-0"), channel events.
+Keys under `prefix`: index (sorted set of adapter names, all score 0, paged by ZRANGEBYLEX), head:{name} (JSON),
+versions:{name} (hash version -> record JSON), tombstones (hash name -> last version number of a deleted adapter),
+base_models (hash), revision (counter), audit (stream, id "{seq}-0"), audit:{name} (the same entries of one name:
+the by-name index), channel events. Both audit streams are capped near `audit_retention` entries.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Callable
 import redis
 
 from registry.base_model import BaseModelSpec
-from registry.metadata_store import Event, Mutation, changed_versions
+from registry.metadata_store import Event, Mutation, changed_versions, removed_versions
 from registry.records import AdapterRecord, AdapterState, AuditEntry
 
 __all__ = ["RedisMetadataStore"]
@@ -23,29 +25,60 @@ __all__ = ["RedisMetadataStore"]
 # the revision counter, the audit stream id and the published event all use the same freshly incremented value.
 # The audit JSON is stored verbatim (re-encoding in Lua would turn {} into [] and round floats); its seq is the
 # stream id.
-# KEYS: revision, audit, names, head, versions, base_models   ARGV: channel, name, action, audit_json, writes_json
+# KEYS: revision, audit, index, head, versions, base_models, name_audit, tombstones
+# ARGV: channel, name, action, audit_json, writes_json, retention
 _COMMIT_LUA = """
 local rev = redis.call('INCR', KEYS[1])
 local writes = cjson.decode(ARGV[5])
+if writes['delete'] then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+  redis.call('DEL', KEYS[4], KEYS[5])
+  redis.call('HSET', KEYS[8], ARGV[2], writes['delete'])
+end
 if writes['head'] then
-  redis.call('SADD', KEYS[3], ARGV[2])
+  redis.call('ZADD', KEYS[3], 0, ARGV[2])
   redis.call('SET', KEYS[4], writes['head'])
 end
 for v, rec in pairs(writes['versions']) do redis.call('HSET', KEYS[5], v, rec) end
+for _, v in ipairs(writes['removed'] or {}) do redis.call('HDEL', KEYS[5], v) end
 if writes['base_model'] then redis.call('HSET', KEYS[6], ARGV[2], writes['base_model']) end
-redis.call('XADD', KEYS[2], rev .. '-0', 'name', ARGV[2], 'entry', ARGV[4])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], rev .. '-0', 'name', ARGV[2], 'entry', ARGV[4])
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', ARGV[6], rev .. '-0', 'entry', ARGV[4])
 redis.call('PUBLISH', ARGV[1], cjson.encode({name = ARGV[2], action = ARGV[3], revision = rev}))
 return rev
+"""
+
+# KEYS: head:{name} for n names, then versions:{name} for the same names. -> per name {head, active, canary}
+# ('' where absent: a nil would cut the reply short).
+_SERVING_LUA = """
+local n = #KEYS / 2
+local out = {}
+for i = 1, n do
+  local head = redis.call('GET', KEYS[i])
+  local row = {'', '', ''}
+  if head then
+    row[1] = head
+    local h = cjson.decode(head)
+    for j, field in ipairs({'active_version', 'canary_version'}) do
+      local v = h[field]
+      if v and v ~= cjson.null then row[j + 1] = redis.call('HGET', KEYS[n + i], string.format('%d', v)) or '' end
+    end
+  end
+  out[i] = row
+end
+return out
 """
 
 
 class RedisMetadataStore:
     def __init__(self, url: str | None = None, prefix: str = "loraserve:registry", *,
-                 client: redis.Redis | None = None, max_retries: int = 1000):
+                 client: redis.Redis | None = None, max_retries: int = 1000, audit_retention: int = 1_000_000):
         self._r = client or redis.Redis.from_url(url, decode_responses=True)
         self._p = prefix
+        self._retention = audit_retention
         self._max_retries = max_retries
         self._commit = self._r.register_script(_COMMIT_LUA)
+        self._serving = self._r.register_script(_SERVING_LUA)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._p, *parts))
@@ -66,8 +99,40 @@ class RedisMetadataStore:
         return self._decode_state(head, versions)
 
     def list_states(self) -> list[AdapterState]:
-        names = sorted(self._r.smembers(self._k("names")))
+        names = self._r.zrange(self._k("index"), 0, -1)
         return [s for s in (self.get_state(n) for n in names) if s is not None]
+
+    def _serving_views(self, names: list[str]) -> list[AdapterState]:
+        """Heads of `names` with their active and canary records, in one script call (one instant: a head never
+        comes back without the records it points at)."""
+        if not names:
+            return []
+        keys = [self._k("head", n) for n in names] + [self._k("versions", n) for n in names]
+        out = []
+        for n, (head, active, canary) in zip(names, self._serving(keys=keys)):
+            if not head:
+                continue
+            found = [AdapterRecord.model_validate_json(r) for r in (active, canary) if r]
+            out.append(AdapterState.model_validate_json(head).model_copy(update={"versions": {r.version: r for r in found}}))
+        return out
+
+    def get_serving_state(self, name: str) -> AdapterState | None:
+        views = self._serving_views([name])
+        return views[0] if views else None
+
+    def page(self, after: str | None, limit: int) -> list[AdapterState]:
+        start = f"({after}" if after else "-"
+        return self._serving_views(self._r.zrangebylex(self._k("index"), start, "+", start=0, num=limit))
+
+    def iter_records(self):
+        after = None
+        while names := self._r.zrangebylex(self._k("index"), f"({after}" if after else "-", "+", start=0, num=500):
+            pipe = self._r.pipeline(transaction=False)
+            for n in names:
+                pipe.hvals(self._k("versions", n))
+            for recs in pipe.execute():
+                yield from (AdapterRecord.model_validate_json(r) for r in recs)
+            after = names[-1]
 
     def get_base_model(self, name: str) -> BaseModelSpec | None:
         raw = self._r.hget(self._k("base_models"), name)
@@ -77,19 +142,17 @@ class RedisMetadataStore:
         raw = self._r.hgetall(self._k("base_models"))
         return [BaseModelSpec.model_validate_json(raw[n]) for n in sorted(raw)]
 
-    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]:
-        out: list[AuditEntry] = []
-        start = f"({after_seq}-0"
-        while len(out) < limit:
-            batch = self._r.xrange(self._k("audit"), min=start, max="+", count=max(limit, 500))
-            if not batch:
-                break
-            for sid, fields in batch:
-                if name is None or fields["name"] == name:
-                    entry = AuditEntry.model_validate_json(fields["entry"])
-                    out.append(entry.model_copy(update={"seq": int(sid.split("-")[0])}))
-            start = f"({batch[-1][0]}"
-        return out[:limit]
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100, *, before_seq: int | None = None,
+              newest_first: bool = False) -> list[AuditEntry]:
+        # By name, the per-name stream is the index: no scan of other adapters' entries.
+        key = self._k("audit") if name is None else self._k("audit", name)
+        low, high = f"({after_seq}-0", f"({before_seq}-0" if before_seq is not None else "+"
+        if newest_first:
+            batch = self._r.xrevrange(key, max=high, min=low, count=limit)
+        else:
+            batch = self._r.xrange(key, min=low, max=high, count=limit)
+        return [AuditEntry.model_validate_json(fields["entry"]).model_copy(update={"seq": int(sid.split("-")[0])})
+                for sid, fields in batch]
 
     def revision(self) -> int:
         return int(self._r.get(self._k("revision")) or 0)
@@ -97,8 +160,8 @@ class RedisMetadataStore:
     # -- writes --------------------------------------------------------------------------------------------
     def _transact(self, watch: list[str], read: Callable[[redis.client.Pipeline], object],
                   compute: Callable[[object], tuple[Mutation, dict]], name: str) -> tuple[Mutation, AuditEntry]:
-        keys = [self._k("revision"), self._k("audit"), self._k("names"), self._k("head", name),
-                self._k("versions", name), self._k("base_models")]
+        keys = [self._k("revision"), self._k("audit"), self._k("index"), self._k("head", name),
+                self._k("versions", name), self._k("base_models"), self._k("audit", name), self._k("tombstones")]
         for _ in range(self._max_retries):
             with self._r.pipeline(transaction=True) as pipe:
                 try:
@@ -107,7 +170,8 @@ class RedisMetadataStore:
                     mutation, writes = compute(read(pipe))
                     pipe.multi()
                     self._commit(keys=keys, args=[self._k("events"), name, mutation.audit.action,
-                                                  mutation.audit.model_dump_json(), json.dumps(writes)], client=pipe)
+                                                  mutation.audit.model_dump_json(), json.dumps(writes),
+                                                  self._retention], client=pipe)
                     (seq,) = pipe.execute()
                 except redis.WatchError:
                     continue  # a concurrent writer committed first: re-read and re-run the pure function
@@ -115,21 +179,27 @@ class RedisMetadataStore:
         raise RuntimeError(f"redis transaction on {name!r} did not converge after {self._max_retries} retries")
 
     def update(self, name: str, fn: Callable[[AdapterState | None], Mutation]) -> tuple[AdapterState | None, AuditEntry]:
-        head_key, versions_key = self._k("head", name), self._k("versions", name)
+        head_key, versions_key, tomb_key = self._k("head", name), self._k("versions", name), self._k("tombstones")
 
         def read(pipe):
-            return self._decode_state(pipe.get(head_key), pipe.hgetall(versions_key))
+            state = self._decode_state(pipe.get(head_key), pipe.hgetall(versions_key))
+            if state is None and (last := pipe.hget(tomb_key, name)) is not None:
+                state = AdapterState(name=name, last_version=int(last))
+            return state
 
         def compute(before):
             mutation = fn(before)
             writes: dict = {"versions": {}}
-            if mutation.state is not None:
+            if mutation.delete_adapter:
+                writes["delete"] = max(before.last_version, max(before.versions, default=0)) if before else 0
+            elif mutation.state is not None:
                 after = mutation.state
                 writes["head"] = after.model_dump_json(exclude={"versions"})
                 writes["versions"] = {str(v): after.versions[v].model_dump_json() for v in changed_versions(before, after)}
+                writes["removed"] = [str(v) for v in removed_versions(before, after)]
             return mutation, writes
 
-        mutation, entry = self._transact([head_key, versions_key], read, compute, name)
+        mutation, entry = self._transact([head_key, versions_key, tomb_key], read, compute, name)
         return mutation.state, entry
 
     def update_base_model(self, name: str, fn: Callable[[BaseModelSpec | None], Mutation]) -> AuditEntry:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -14,6 +15,7 @@ from typing import Any, Callable
 from registry import lifecycle
 from registry.base_model import BaseModelSpec, load_config, spec_from_config
 from registry.blob_store import BlobStore, LocalBlobStore
+from registry.catalog import ServingCatalog
 from registry.errors import (AdapterNotFound, BaseModelNotFound, LifecycleConflict, PermissionDenied, RegistryError,
                              RegistryValidationError)
 from registry.metadata_store import Event, MetadataStore, Mutation
@@ -36,16 +38,19 @@ class Registry:
         self.settings = settings
         self._fetcher = fetcher
         self._clock = clock
+        self._catalog: ServingCatalog | None = None
+        self._catalog_lock = threading.Lock()
 
     @classmethod
     def from_settings(cls, settings: RegistrySettings | None = None) -> "Registry":
         settings = settings or RegistrySettings()
         if settings.redis_url:
             from registry.redis_store import RedisMetadataStore
-            metadata: MetadataStore = RedisMetadataStore(settings.redis_url, settings.redis_prefix)
+            metadata: MetadataStore = RedisMetadataStore(settings.redis_url, settings.redis_prefix,
+                                                         audit_retention=settings.audit_retention)
         else:
             from registry.sqlite_store import SQLiteMetadataStore
-            metadata = SQLiteMetadataStore(settings.registry_db, settings.poll_interval_s)
+            metadata = SQLiteMetadataStore(settings.registry_db, settings.poll_interval_s, settings.audit_retention)
         s3_factory = None
         if settings.s3_bucket or settings.allowed_s3_prefixes:
             from registry.s3_blob_store import make_s3_client
@@ -56,10 +61,13 @@ class Registry:
         else:
             blobs = LocalBlobStore(settings.blob_dir)
         limits = SourceLimits(settings.max_files, settings.max_file_bytes, settings.max_total_bytes)
-        fetcher = SourceFetcher(settings.allowed_local_roots, settings.allowed_s3_prefixes, limits, s3_factory)
+        fetcher = SourceFetcher([*settings.allowed_local_roots, settings.upload_dir], settings.allowed_s3_prefixes,
+                                limits, s3_factory)
         return cls(metadata, blobs, settings, fetcher)
 
     def close(self) -> None:
+        if self._catalog is not None:
+            self._catalog.close()
         self.metadata.close()
 
     # -- base models ---------------------------------------------------------------------------------------
@@ -92,101 +100,156 @@ class Registry:
     def register(self, name: str, source_uri: str, sha256: dict[str, str], base_model: str, *,
                  tenant: str | None = None, visibility: str | Visibility = Visibility.public, actor: str = "system",
                  labels: dict[str, str] | None = None, description: str = "", activate: bool = False) -> AdapterRecord:
-        """Stage a new version, fetch + validate its files, store them, mark it ready (or failed and raise)."""
+        """Fetch and validate the files, store them, then record the version in one commit.
+
+        Nothing is recorded before every check has passed, so a refusal leaves no adapter, no version and no
+        version number behind: only a `register_rejected` audit entry saying who tried what and why."""
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            # No version can be recorded under an invalid name; the refusal is still audited.
             shown = repr(name)[:80]
-            self.metadata.append_audit(AuditEntry(seq=0, ts=self._clock(), actor=actor, action="register_rejected",
-                                                  name=shown, details={"code": "invalid_name", "source_uri": str(source_uri)[:300]}))
-            raise RegistryValidationError(f"invalid adapter name {shown}: use 1-64 of [A-Za-z0-9_.-], starting "
-                                          f"with a letter or digit", code="invalid_name")
+            self._reject(shown, actor, source_uri, RegistryValidationError(
+                f"invalid adapter name {shown}: use 1-64 of [A-Za-z0-9_.-], starting with a letter or digit",
+                code="invalid_name"))
         visibility = Visibility(visibility)
         if visibility == Visibility.tenant and not tenant:
-            raise RegistryValidationError("visibility 'tenant' needs an owner tenant", code="invalid_request")
-        record = self._stage(name, source_uri, base_model, tenant, visibility, actor, labels or {}, description)
+            self._reject(name, actor, source_uri, RegistryValidationError(
+                "visibility 'tenant' needs an owner tenant", code="invalid_request"))
+        existing = self.metadata.get_serving_state(name)
+        if existing is not None and existing.owner_tenant != tenant:
+            raise PermissionDenied(f"adapter {name!r} belongs to another tenant")
         try:
-            validated, location = self._validate_and_store(record, source_uri, sha256)
+            validated, location = self._validate_and_store(base_model, source_uri, sha256)
         except RegistryValidationError as e:
-            self._finish(record, actor, failed=e)
-            e.version = record.version
+            self._reject(name, actor, source_uri, e)
+        except RegistryError:
             raise
-        except Exception as e:  # storage outage etc.: keep the trace, report as a server-side error
-            err = RegistryError(f"registration of {name} v{record.version} failed: {type(e).__name__}: {e}",
-                                code="storage_error")
+        except Exception as e:  # storage outage etc.: a server-side fault, reported as such
+            err = RegistryError(f"registration of {name} failed: {type(e).__name__}: {e}", code="storage_error")
             err.status = 503
-            self._finish(record, actor, failed=RegistryValidationError(err.message, code="storage_error"))
-            raise err from e
-        done = self._finish(record.model_copy(update={
-            "rank": validated.rank, "alpha": validated.alpha, "target_modules": validated.target_modules,
-            "dtype": validated.dtype, "files": validated.files, "blob_location": location}), actor)
+            self._reject(name, actor, source_uri, err, cause=e)
+        now = self._clock()
+        made: dict[str, AdapterRecord] = {}
+
+        def mutate(before: AdapterState | None) -> Mutation:
+            live = before if before is not None and before.versions else None
+            if live is not None and live.owner_tenant != tenant:
+                raise PermissionDenied(f"adapter {name!r} belongs to another tenant")
+            state = live or AdapterState(name=name, owner_tenant=tenant,
+                                         last_version=before.last_version if before else 0)
+            rec = AdapterRecord(
+                name=name, version=state.next_version(), base_model=str(base_model), owner_tenant=tenant,
+                visibility=visibility, status=AdapterStatus.ready, source_uri=str(source_uri), created_at=now,
+                updated_at=now, labels=labels or {}, description=description, rank=validated.rank,
+                alpha=validated.alpha, target_modules=validated.target_modules, dtype=validated.dtype,
+                files=validated.files, blob_location=location)
+            made["rec"] = rec
+            after = lifecycle.add_version(state, rec)
+            return Mutation(state=after, audit=AuditEntry(
+                seq=0, ts=now, actor=actor, action="register", name=name, version=rec.version,
+                details={"source_uri": str(source_uri), "base_model": str(base_model), "files": sorted(rec.files)},
+                before=live.head() if live else None, after=after.head()))
+
+        self.metadata.update(name, mutate)
+        done = made["rec"]
         if activate:
             self.promote(name, done.version, actor=actor)
             return self.get(name).versions[done.version]
         return done
 
-    def _stage(self, name: str, source_uri: str, base_model: str, tenant: str | None, visibility: Visibility,
-               actor: str, labels: dict[str, str], description: str) -> AdapterRecord:
-        now = self._clock()
-        staged: dict[str, AdapterRecord] = {}
+    def _reject(self, name: str, actor: str, source_uri: object, err: RegistryError, cause: Exception | None = None):
+        """Audit a refused registration (no adapter state is touched) and raise `err`."""
+        self.metadata.append_audit(AuditEntry(seq=0, ts=self._clock(), actor=actor, action="register_rejected",
+                                              name=name, details={"code": err.code, "reason": err.message[:2000],
+                                                                  "source_uri": str(source_uri)[:300]}))
+        raise err from cause
 
-        def mutate(before: AdapterState | None) -> Mutation:
-            if before is not None and before.owner_tenant != tenant:
-                raise PermissionDenied(f"adapter {name!r} belongs to another tenant")
-            state = before or AdapterState(name=name, owner_tenant=tenant)
-            rec = AdapterRecord(name=name, version=state.next_version(), base_model=str(base_model),
-                                owner_tenant=tenant, visibility=visibility, status=AdapterStatus.staged,
-                                source_uri=str(source_uri), created_at=now, updated_at=now, labels=labels,
-                                description=description)
-            staged["rec"] = rec
-            after = lifecycle.add_version(state, rec)
-            return Mutation(state=after, audit=AuditEntry(
-                seq=0, ts=now, actor=actor, action="stage", name=name, version=rec.version,
-                details={"source_uri": str(source_uri), "base_model": str(base_model)},
-                before=before.head() if before else None, after=after.head()))
-
-        self.metadata.update(name, mutate)
-        return staged["rec"]
-
-    def _validate_and_store(self, record: AdapterRecord, source_uri: str, sha256: dict[str, str]):
-        spec = self.metadata.get_base_model(record.base_model)
+    def _validate_and_store(self, base_model: str, source_uri: str, sha256: dict[str, str]):
+        spec = self.metadata.get_base_model(base_model) if isinstance(base_model, str) else None
         if spec is None:
-            raise RegistryValidationError(f"unknown base model {record.base_model!r}", code="unknown_base_model")
+            raise RegistryValidationError(f"unknown base model {base_model!r}", code="unknown_base_model")
         if not isinstance(sha256, dict) or not all(isinstance(k, str) for k in sha256):
             raise RegistryValidationError("sha256 must map file names to hex digests", code="invalid_sha256")
         with tempfile.TemporaryDirectory(prefix="registry-stage-") as tmp:
             files = self._fetcher.fetch(source_uri, Path(tmp))
             validated = validate_adapter(files, sha256, spec, self.settings.max_lora_rank,
                                          self.settings.max_header_bytes)
-            # Only now, with every check passed, do the bytes reach the blob store.
+            # Only now, with every check passed, do the bytes reach the blob store. A blob whose record never
+            # commits is left to collect_garbage.
             for fname, entry in validated.files.items():
                 self.blobs.put(entry.sha256, files[fname])
         return validated, self.blobs.location
 
-    def _finish(self, record: AdapterRecord, actor: str, failed: RegistryValidationError | None = None) -> AdapterRecord:
+    # -- deletion and garbage collection ----------------------------------------------------------------------
+    def delete_version(self, name: str, version: int, *, force: bool = False, actor: str = "system") -> dict:
+        """Drop one version's record (the active one only with force), then its blobs no record still uses.
+        Deleting the last version deletes the adapter."""
         now = self._clock()
-        if failed is not None:
-            final = record.model_copy(update={"status": AdapterStatus.failed, "failure_reason": failed.message,
-                                              "failure_code": failed.code, "updated_at": now})
-        else:
-            final = record.model_copy(update={"status": AdapterStatus.ready, "updated_at": now})
 
         def mutate(before: AdapterState | None) -> Mutation:
-            assert before is not None  # staged by _stage; adapters are never deleted
-            after = lifecycle.add_version(before, final)
-            details = {"code": failed.code, "reason": failed.message} if failed else {"files": sorted(final.files)}
-            return Mutation(state=after, audit=AuditEntry(
-                seq=0, ts=now, actor=actor, action="register_failed" if failed else "register", name=record.name,
-                version=record.version, details=details, before=before.head(), after=after.head()))
+            if before is None or not before.versions:
+                raise AdapterNotFound(f"adapter {name!r} not found")
+            after = lifecycle.delete_version(before, version, force)
+            audit = AuditEntry(seq=0, ts=now, actor=actor, action="delete_version", name=name, version=version,
+                               details={"version": version, "force": force}, before=before.head(), after=after.head())
+            return Mutation(state=after, audit=audit, delete_adapter=not after.versions)
 
-        self.metadata.update(record.name, mutate)
-        return final
+        return self._delete(name, mutate, [version])
+
+    def delete_adapter(self, name: str, *, force: bool = False, actor: str = "system") -> dict:
+        """Drop the adapter, every version and their blobs no other record uses. An adapter with an active
+        version is only deleted with force. Its version numbers are never issued again under this name."""
+        now = self._clock()
+        deleted: list[int] = []
+
+        def mutate(before: AdapterState | None) -> Mutation:
+            if before is None or not before.versions:
+                raise AdapterNotFound(f"adapter {name!r} not found")
+            if before.active_version is not None and not force:
+                raise LifecycleConflict(f"cannot delete {name}: v{before.active_version} is active; disable and "
+                                        f"pass force=true, or delete the other versions one by one")
+            deleted[:] = sorted(before.versions)
+            return Mutation(delete_adapter=True, audit=AuditEntry(
+                seq=0, ts=now, actor=actor, action="delete_adapter", name=name,
+                details={"versions": deleted, "force": force}, before=before.head(), after=None))
+
+        return self._delete(name, mutate, deleted)
+
+    def _delete(self, name: str, mutate: Callable[[AdapterState | None], Mutation], versions: list[int]) -> dict:
+        files: dict[int, set[str]] = {}
+
+        def capture(before: AdapterState | None) -> Mutation:
+            mutation = mutate(before)
+            files.clear()
+            files.update({v: {f.sha256 for f in r.files.values()} for v, r in (before.versions if before else {}).items()})
+            return mutation
+
+        self.metadata.update(name, capture)
+        candidates = set().union(*(files.get(v, set()) for v in versions))
+        return {"name": name, "deleted_versions": sorted(versions), "deleted_blobs": self.collect_garbage(candidates)}
+
+    def collect_garbage(self, candidates: set[str] | None = None, grace_s: float | None = None) -> list[str]:
+        """Delete blobs no version record references (all blobs, or only `candidates`) and not written within
+        `grace_s`: a registration puts its blobs before committing its record, and re-putting an existing blob
+        refreshes its time, so the grace covers a registration in flight. -> the digests deleted."""
+        grace = self.settings.blob_gc_grace_s if grace_s is None else grace_s
+        pool = set(self.blobs.list()) if candidates is None else set(candidates)
+        if not pool:
+            return []
+        referenced = {f.sha256 for rec in self.metadata.iter_records() for f in rec.files.values()}
+        cutoff = self._clock() - grace
+        gone = []
+        for digest in sorted(pool - referenced):
+            written = self.blobs.modified_at(digest)
+            if written is not None and written <= cutoff:
+                self.blobs.delete(digest)
+                gone.append(digest)
+        return gone
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def _transition(self, name: str, action: str, details: dict[str, Any], actor: str) -> AdapterState:
         now = self._clock()
 
         def mutate(before: AdapterState | None) -> Mutation:
-            if before is None:
+            if before is None or not before.versions:
                 raise AdapterNotFound(f"adapter {name!r} not found")
             after = lifecycle.apply(before, action, details)
             touched = {v: (r.model_copy(update={"updated_at": now}) if before.versions.get(v) != r else r)
@@ -225,24 +288,29 @@ class Registry:
         return state
 
     def resolve(self, name: str, tenant: str | None, request_id: str | None = None) -> AdapterRecord:
-        return resolve_version(self.metadata.get_state(name), name, tenant, request_id)
+        return resolve_version(self.metadata.get_serving_state(name), name, tenant, request_id)
 
-    def list_adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
-        """Active versions of enabled adapters the tenant may see (what the serving layer can offer)."""
-        out = []
-        for state in self.metadata.list_states():
-            if state.active_version is None or state.disabled:
-                continue
-            rec = state.versions[state.active_version]
-            if rec.visible_to(tenant):
-                out.append(rec)
-        return out
+    def catalog(self) -> ServingCatalog:
+        with self._catalog_lock:
+            if self._catalog is None:
+                self._catalog = ServingCatalog(self.metadata)
+            return self._catalog
+
+    def list_adapters(self, tenant: str | None = None) -> tuple[AdapterRecord, ...]:
+        """Active versions of enabled adapters the tenant may see (what the serving layer can offer), by name.
+        From the in-memory catalog: the same tuple object until something changes."""
+        return self.catalog().view(tenant)
+
+    def list_page(self, after: str | None = None, limit: int = 100) -> list[AdapterState]:
+        """Adapters with names > `after`, in name order, each with only its active and canary versions."""
+        return self.metadata.page(after, limit)
 
     def list_states(self) -> list[AdapterState]:
         return self.metadata.list_states()
 
-    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]:
-        return self.metadata.audit(name, after_seq, limit)
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100, *, before_seq: int | None = None,
+              newest_first: bool = False) -> list[AuditEntry]:
+        return self.metadata.audit(name, after_seq, limit, before_seq=before_seq, newest_first=newest_first)
 
     def revision(self) -> int:
         return self.metadata.revision()

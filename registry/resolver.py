@@ -24,16 +24,14 @@ def split_point(name: str, request_id: str) -> float:
 def resolve_version(state: AdapterState | None, name: str, tenant: str | None,
                     request_id: str | None = None) -> AdapterRecord:
     # An adapter the tenant may not see is reported exactly like one that does not exist.
-    if state is None or state.active_version is None:
-        raise AdapterNotFound(f"adapter {name!r} not found or has no active version")
-    active = state.versions[state.active_version]
-    if not active.visible_to(tenant):
+    active = state.versions.get(state.active_version) if state is not None and state.active_version else None
+    if active is None or not active.visible_to(tenant):
         raise AdapterNotFound(f"adapter {name!r} not found or has no active version")
     if state.disabled:
         raise AdapterDisabled(f"adapter {name!r} is disabled")
     if state.canary_version is not None and state.canary_weight > 0.0:
         point = split_point(name, request_id if request_id is not None else uuid.uuid4().hex)
-        candidate = state.versions[state.canary_version]
-        if point < state.canary_weight and candidate.visible_to(tenant):
+        candidate = state.versions.get(state.canary_version)
+        if point < state.canary_weight and candidate is not None and candidate.visible_to(tenant):
             return candidate
     return active

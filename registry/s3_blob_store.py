@@ -30,6 +30,10 @@ class S3BlobStore:
 
     def put(self, sha256: str, path: Path, progress: Progress | None = None) -> None:
         if self.exists(sha256):
+            # Copying the object onto itself refreshes LastModified: a re-put marks the blob as wanted again.
+            key = self._key(sha256)
+            self._s3.copy_object(Bucket=self._bucket, Key=key, CopySource={"Bucket": self._bucket, "Key": key},
+                                 MetadataDirective="REPLACE")
             if progress:
                 progress(path.stat().st_size)
             return
@@ -43,13 +47,18 @@ class S3BlobStore:
             raise FileNotFoundError(f"blob {sha256} not in {self.location}: {e}") from e
 
     def exists(self, sha256: str) -> bool:
+        return self.modified_at(sha256) is not None
+
+    def modified_at(self, sha256: str) -> float | None:
         try:
-            self._s3.head_object(Bucket=self._bucket, Key=self._key(sha256))
-            return True
+            return self._s3.head_object(Bucket=self._bucket, Key=self._key(sha256))["LastModified"].timestamp()
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
+                return None
             raise
+
+    def delete(self, sha256: str) -> None:
+        self._s3.delete_object(Bucket=self._bucket, Key=self._key(sha256))
 
     def list(self) -> list[str]:
         out = []

@@ -53,6 +53,9 @@ def read_header(path: Path, max_header_bytes: int) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            # The format allows a flat string -> string map only; safetensors refuses anything else on load.
+            if not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
+                raise _bad(path, "__metadata__ must map strings to strings (nested values are not allowed)")
             continue
         tensors[name] = _parse_entry(path, name, entry, data_len)
     _check_layout(path, tensors, data_len)
@@ -77,8 +80,16 @@ def _parse_entry(path: Path, name: str, entry: object, data_len: int) -> TensorI
 
 
 def _check_layout(path: Path, tensors: dict[str, TensorInfo], data_len: int) -> None:
-    # Overlapping ranges would let two tensors alias the same bytes; safetensors itself refuses them too.
+    # The tensors must tile the data section exactly, as safetensors' own loader demands: overlaps would let two
+    # tensors alias the same bytes, gaps and trailing bytes hide data no tensor accounts for.
     spans = sorted((t.begin, t.end, n) for n, t in tensors.items())
-    for (b0, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise _bad(path, f"tensors {n0!r} and {n1!r} overlap")
+    end, prev = 0, None
+    for b, e, n in spans:
+        if b < end:
+            raise _bad(path, f"tensors {prev!r} and {n!r} overlap")
+        if b > end:
+            raise _bad(path, f"gap in data_offsets: bytes {end}-{b} before tensor {n!r} belong to no tensor")
+        end, prev = e, n
+    if end != data_len:
+        raise _bad(path, f"gap in data_offsets: {data_len - end} trailing bytes after the last tensor belong to "
+                         f"no tensor")

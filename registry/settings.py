@@ -34,6 +34,9 @@ class RegistrySettings(BaseSettings):
     allowed_local_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [default_cache_dir() / "incoming"],
         description="registration sources may be directories under these roots (comma-separated in env)")
+    upload_dir: Path = Field(default_factory=lambda: default_cache_dir() / "registry" / "uploads",
+                             description="where remote pushes stream their files; always an allowed source root")
+    upload_ttl_s: float = Field(default=86400.0, gt=0, description="uploads untouched this long are removed")
     allowed_s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="registration sources may be s3://bucket/prefix/... under these")
     max_lora_rank: int = Field(default=64, ge=1)
@@ -43,6 +46,10 @@ class RegistrySettings(BaseSettings):
     # A safetensors header is JSON describing tensors; a few MB covers tens of thousands of tensors.
     max_header_bytes: int = Field(default=16 << 20, ge=64)
     poll_interval_s: float = Field(default=0.5, gt=0, description="SQLite subscription polling period")
+    audit_retention: int = Field(default=1_000_000, ge=1000, description="audit entries kept (globally, and per "
+                                                                         "adapter on Redis); older ones are trimmed")
+    blob_gc_grace_s: float = Field(default=600.0, ge=0, description="garbage collection spares unreferenced "
+                                                                    "blobs written more recently than this")
 
     @field_validator("allowed_local_roots", "allowed_s3_prefixes", mode="before")
     @classmethod

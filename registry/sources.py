@@ -104,13 +104,15 @@ class SourceFetcher:
     def _fetch_local(self, uri: str, dest: Path) -> dict[str, Path]:
         path = Path(uri)
         if not path.is_absolute():
-            raise SourceNotAllowed(f"local source {uri!r} must be an absolute path", code="source_not_allowed")
+            raise SourceNotAllowed(f"local source {uri!r} must be an absolute path under an allowed root "
+                                   f"{[str(r) for r in self._roots]}", code="source_not_allowed")
         if ".." in path.parts:
             raise SourceNotAllowed(f"path traversal ('..') in source {uri!r}", code="path_traversal")
         real = Path(os.path.realpath(path))
         root = self._root_of(real)
         if root is None:
-            raise SourceNotAllowed(f"source {uri!r} resolves outside the allowed local roots", code="path_traversal")
+            raise SourceNotAllowed(f"source {uri!r} resolves outside the allowed local roots "
+                                   f"{[str(r) for r in self._roots]}", code="path_traversal")
         if not real.is_dir():
             raise RegistryValidationError(f"source {uri!r} is not a directory", code="missing_file")
         entries: dict[str, Path] = {}

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from registry.base_model import BaseModelSpec
-from registry.metadata_store import Event, Mutation, changed_versions
+from registry.metadata_store import Event, Mutation, changed_versions, removed_versions
 from registry.records import AdapterRecord, AdapterState, AuditEntry
 
 __all__ = ["SQLiteMetadataStore"]
@@ -21,12 +21,27 @@ CREATE TABLE IF NOT EXISTS versions (name TEXT NOT NULL, version INTEGER NOT NUL
 CREATE TABLE IF NOT EXISTS base_models (name TEXT PRIMARY KEY, spec TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS audit (seq INTEGER PRIMARY KEY, name TEXT NOT NULL, entry TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS audit_name ON audit (name, seq);
+CREATE TABLE IF NOT EXISTS tombstones (name TEXT PRIMARY KEY, last_version INTEGER NOT NULL);
+"""
+
+# The active and canary records of a page of heads, in one statement (no query per adapter).
+_PAGE_SQL = """
+SELECT a.name, a.head, v.record FROM (SELECT name, head FROM adapters WHERE name > ? ORDER BY name LIMIT ?) a
+LEFT JOIN versions v ON v.name = a.name
+ AND v.version IN (json_extract(a.head, '$.active_version'), json_extract(a.head, '$.canary_version'))
+ORDER BY a.name
+"""
+_SERVING_SQL = """
+SELECT a.head, v.record FROM adapters a LEFT JOIN versions v ON v.name = a.name
+ AND v.version IN (json_extract(a.head, '$.active_version'), json_extract(a.head, '$.canary_version'))
+WHERE a.name = ?
 """
 
 
 class SQLiteMetadataStore:
-    def __init__(self, path: str | Path, poll_interval_s: float = 0.5):
+    def __init__(self, path: str | Path, poll_interval_s: float = 0.5, audit_retention: int = 1_000_000):
         self._path = Path(path)
+        self._retention = audit_retention
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._poll = poll_interval_s
         self._local = threading.local()  # one connection per thread: sqlite3 connections are not thread-safe
@@ -57,6 +72,28 @@ class SQLiteMetadataStore:
         names = [r[0] for r in self._conn().execute("SELECT name FROM adapters ORDER BY name")]
         return [s for s in (self.get_state(n) for n in names) if s is not None]
 
+    @staticmethod
+    def _views(rows) -> list[AdapterState]:
+        out: dict[str, AdapterState] = {}
+        for name, head, record in rows:
+            state = out.get(name) or AdapterState.model_validate_json(head)
+            if record is not None:
+                rec = AdapterRecord.model_validate_json(record)
+                state.versions[rec.version] = rec
+            out[name] = state
+        return list(out.values())
+
+    def get_serving_state(self, name: str) -> AdapterState | None:
+        views = self._views((name, h, r) for h, r in self._conn().execute(_SERVING_SQL, (name,)).fetchall())
+        return views[0] if views else None
+
+    def page(self, after: str | None, limit: int) -> list[AdapterState]:
+        return self._views(self._conn().execute(_PAGE_SQL, (after or "", limit)).fetchall())
+
+    def iter_records(self):
+        for (record,) in self._conn().execute("SELECT record FROM versions ORDER BY name, version"):
+            yield AdapterRecord.model_validate_json(record)
+
     def get_base_model(self, name: str) -> BaseModelSpec | None:
         row = self._conn().execute("SELECT spec FROM base_models WHERE name = ?", (name,)).fetchone()
         return BaseModelSpec.model_validate_json(row[0]) if row else None
@@ -65,12 +102,15 @@ class SQLiteMetadataStore:
         rows = self._conn().execute("SELECT spec FROM base_models ORDER BY name").fetchall()
         return [BaseModelSpec.model_validate_json(r[0]) for r in rows]
 
-    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100) -> list[AuditEntry]:
-        if name is None:
-            rows = self._conn().execute("SELECT entry FROM audit WHERE seq > ? ORDER BY seq LIMIT ?", (after_seq, limit))
-        else:
-            rows = self._conn().execute("SELECT entry FROM audit WHERE name = ? AND seq > ? ORDER BY seq LIMIT ?",
-                                        (name, after_seq, limit))
+    def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100, *, before_seq: int | None = None,
+              newest_first: bool = False) -> list[AuditEntry]:
+        # Both shapes walk an index: the primary key, or (name, seq).
+        where, args = "seq > ? AND seq < ?", [after_seq, before_seq if before_seq is not None else 2**63 - 1]
+        if name is not None:
+            where, args = "name = ? AND " + where, [name, *args]
+        order = "DESC" if newest_first else "ASC"
+        rows = self._conn().execute(f"SELECT entry FROM audit WHERE {where} ORDER BY seq {order} LIMIT ?",
+                                    (*args, limit))
         return [AuditEntry.model_validate_json(r[0]) for r in rows.fetchall()]
 
     def revision(self) -> int:
@@ -85,6 +125,8 @@ class SQLiteMetadataStore:
             seq = c.execute("SELECT COALESCE(MAX(seq), 0) FROM audit").fetchone()[0] + 1
             entry = mutation.audit.model_copy(update={"seq": seq})
             c.execute("INSERT INTO audit (seq, name, entry) VALUES (?, ?, ?)", (seq, entry.name, entry.model_dump_json()))
+            if seq % 1000 == 0:  # retention, amortised: the oldest entries beyond the kept count go
+                c.execute("DELETE FROM audit WHERE seq <= ?", (seq - self._retention,))
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
@@ -94,14 +136,24 @@ class SQLiteMetadataStore:
     def update(self, name: str, fn: Callable[[AdapterState | None], Mutation]) -> tuple[AdapterState | None, AuditEntry]:
         def body(c: sqlite3.Connection) -> Mutation:
             before = self._read_state(c, name)
+            if before is None:
+                row = c.execute("SELECT last_version FROM tombstones WHERE name = ?", (name,)).fetchone()
+                before = AdapterState(name=name, last_version=row[0]) if row else None
             mutation = fn(before)
-            if mutation.state is not None:
+            if mutation.delete_adapter:
+                last = max(before.last_version, max(before.versions, default=0)) if before else 0
+                c.execute("DELETE FROM adapters WHERE name = ?", (name,))
+                c.execute("DELETE FROM versions WHERE name = ?", (name,))
+                c.execute("INSERT OR REPLACE INTO tombstones (name, last_version) VALUES (?, ?)", (name, last))
+            elif mutation.state is not None:
                 after = mutation.state
                 c.execute("INSERT OR REPLACE INTO adapters (name, head) VALUES (?, ?)",
                           (name, after.model_dump_json(exclude={"versions"})))
                 for v in changed_versions(before, after):
                     c.execute("INSERT OR REPLACE INTO versions (name, version, record) VALUES (?, ?, ?)",
                               (name, v, after.versions[v].model_dump_json()))
+                for v in removed_versions(before, after):
+                    c.execute("DELETE FROM versions WHERE name = ? AND version = ?", (name, v))
             return mutation
 
         mutation, entry = self._transaction(body)

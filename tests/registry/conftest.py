@@ -77,7 +77,7 @@ def make_registry(request, tmp_path, incoming_root, tiny_base) -> Callable[..., 
     def _make(backend: str, register_base: bool = True, **overrides) -> Registry:
         tag = uuid.uuid4().hex[:10]
         kwargs = dict(registry_db=tmp_path / f"{tag}.db", blob_dir=tmp_path / f"blobs-{tag}",
-                      materialize_dir=tmp_path / f"mat-{tag}", allowed_local_roots=[incoming_root],
+                      materialize_dir=tmp_path / f"mat-{tag}", upload_dir=tmp_path / f"uploads-{tag}", allowed_local_roots=[incoming_root],
                       allowed_s3_prefixes=[f"s3://{INCOMING_BUCKET}/uploads/"], poll_interval_s=0.05, **TEST_LIMITS)
         kwargs.update(overrides)
         s3_factory = None
@@ -97,7 +97,7 @@ def make_registry(request, tmp_path, incoming_root, tiny_base) -> Callable[..., 
             metadata = RedisMetadataStore(redis_url, settings.redis_prefix)
             blobs = S3BlobStore(s3_factory(), settings.s3_bucket, settings.s3_prefix)
         limits = SourceLimits(settings.max_files, settings.max_file_bytes, settings.max_total_bytes)
-        fetcher = SourceFetcher(settings.allowed_local_roots, settings.allowed_s3_prefixes, limits,
+        fetcher = SourceFetcher([*settings.allowed_local_roots, settings.upload_dir], settings.allowed_s3_prefixes, limits,
                                 s3_factory or (lambda: _moto_client(request)))
         reg = Registry(metadata, blobs, settings, fetcher)
         if register_base:

@@ -1,5 +1,6 @@
-"""Acceptance 2: bad registrations through the REST API are refused with a 4xx naming the problem and leave
-no trace but a `failed` version (with the reason) and its audit entries: no blob stored, nothing else changed."""
+"""Bad registrations through the REST API are refused with a 4xx naming the problem and leave nothing behind:
+no adapter, no version, no version number used, no blob; only a `register_rejected` audit entry with the reason.
+Thirty of them in a row leave the listing and the version counter as they were."""
 
 from __future__ import annotations
 
@@ -117,7 +118,29 @@ CASES = {
         {Q_A: {"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 1024]}}).encode(), data=b"\0" * 16), None, None,
         BASE, "bad_safetensors", "outside"),
     "truncated_file": ("a", _write(W, b"\x01\x02"), None, None, BASE, "bad_safetensors", "shorter"),
+    "gapped_offsets": ("a", _raw_header(json.dumps(
+        {Q_A: {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}}).encode(), data=b"\0" * 24), None, None,
+        BASE, "bad_safetensors", "gap in data_offsets"),
+    "trailing_bytes": ("a", _raw_header(json.dumps(
+        {Q_A: {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}).encode(), data=b"\0" * 20), None, None,
+        BASE, "bad_safetensors", "trailing bytes"),
+    "nested_metadata": ("a", lambda d: _nest_metadata(d), None, None, BASE, "bad_safetensors", "__metadata__"),
+    "deeply_nested_config": ("a", _write("adapter_config.json", b"[" * 100_000 + b"]" * 100_000), None, None, BASE,
+                             "bad_config", "malformed"),
+    "infinite_alpha_pattern": ("a", _edit_config(alpha_pattern={"q_proj": float("inf")}), None, None, BASE,
+                               "bad_config", "alpha_pattern"),
 }
+
+
+def _nest_metadata(d: Path) -> None:
+    """The real file with its __metadata__ turned into a nested object (offsets untouched)."""
+    raw = (d / W).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = {"format": "pt", "nested": {"a": 1}}
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    (d / W).write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
 
 
 @pytest.fixture
@@ -126,40 +149,60 @@ def client_and_reg(make_registry, backend):
     return TestClient(create_app(reg, {"admin-token": {"role": "admin", "name": "root"}})), reg
 
 
-def _snapshot(reg, skip: str) -> tuple:
-    return ([s for s in reg.list_states() if s.name != skip], reg.blobs.list())
+def _snapshot(reg) -> tuple:
+    return (reg.list_states(), reg.blobs.list(), reg.list_page(None, 1000))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_registration_refused_and_leaves_only_failed_version(case, client_and_reg, stage, incoming_root,
-                                                                 tiny_base, adapter_templates):
-    client, reg = client_and_reg
+def _bad_request(case, stage, incoming_root, tiny_base) -> dict:
     template, mutate, uri_fn, sha_fn, base, code, words = CASES[case]
-    # A healthy, active adapter that must come out untouched.
-    good = stage("b")
-    assert client.post("/v1/adapters", headers=ADMIN, json={"name": "keep", "source_uri": str(good),
-                       "sha256": sha_map(good), "base_model": BASE, "activate": True}).status_code == 201
     src = stage(template, None if mutate == "symlink" else mutate)
     sha = sha_map(src)  # hashes of the files as they are, so only the intended defect is wrong
     if mutate == "symlink":
         _symlink_out(tiny_base / "config.json")(src)
     uri = uri_fn(str(src), str(incoming_root), tiny_base) if uri_fn else str(src)
-    before, rev = _snapshot(reg, "bad"), reg.revision()
+    return {"name": "keep", "source_uri": uri, "sha256": sha_fn(sha) if sha_fn else sha, "base_model": base}
 
-    resp = client.post("/v1/adapters", headers=ADMIN, json={"name": "bad", "source_uri": uri,
-                       "sha256": sha_fn(sha) if sha_fn else sha, "base_model": base})
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_registration_refused_and_leaves_nothing(case, client_and_reg, stage, incoming_root, tiny_base):
+    client, reg = client_and_reg
+    # A healthy, active adapter of the same name that must come out untouched.
+    good = stage("b")
+    assert client.post("/v1/adapters", headers=ADMIN, json={"name": "keep", "source_uri": str(good),
+                       "sha256": sha_map(good), "base_model": BASE, "activate": True}).status_code == 201
+    body = _bad_request(case, stage, incoming_root, tiny_base)
+    before, rev = _snapshot(reg), reg.revision()
+
+    resp = client.post("/v1/adapters", headers=ADMIN, json=body)
 
     assert 400 <= resp.status_code < 500, resp.text
     err = resp.json()["error"]
+    code, words = CASES[case][5:]
     assert err["code"] == code and words in err["message"], err
-    state = reg.get("bad")
-    assert list(state.versions) == [1] and state.active_version is None
-    failed = state.versions[1]
-    assert failed.status.value == "failed" and failed.failure_code == code and failed.failure_reason == err["message"]
-    assert failed.files == {}
-    assert [e.action for e in reg.audit(name="bad")] == ["stage", "register_failed"]
-    assert reg.revision() == rev + 2
-    assert _snapshot(reg, "bad") == before  # no blob written, other adapters untouched
+    assert _snapshot(reg) == before  # no version, no blob, nothing else changed
+    (entry,) = reg.audit(after_seq=rev)
+    assert (entry.action, entry.name, entry.version) == ("register_rejected", "keep", None)
+    assert entry.details["code"] == code and entry.details["reason"] == err["message"]
+
+
+def test_thirty_bad_registrations_then_a_good_one_gets_the_next_version(client_and_reg, stage, incoming_root,
+                                                                        tiny_base):
+    client, reg = client_and_reg
+    good = stage("a")
+    for _ in range(2):
+        assert client.post("/v1/adapters", headers=ADMIN, json={"name": "keep", "source_uri": str(good),
+                           "sha256": sha_map(good), "base_model": BASE}).status_code == 201
+    before = _snapshot(reg)
+    listing = client.get("/v1/adapters", headers=ADMIN).json()
+    cases = sorted(CASES)[:30]
+    assert len(cases) == 30
+    for case in cases:
+        assert 400 <= client.post("/v1/adapters", headers=ADMIN,
+                                  json=_bad_request(case, stage, incoming_root, tiny_base)).status_code < 500
+    assert _snapshot(reg) == before and client.get("/v1/adapters", headers=ADMIN).json() == listing
+    resp = client.post("/v1/adapters", headers=ADMIN, json={"name": "keep", "source_uri": str(good),
+                       "sha256": sha_map(good), "base_model": BASE})
+    assert resp.status_code == 201 and resp.json()["version"] == 3
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/b", "", "x" * 65, "base:adapter", "-dash"])
@@ -171,7 +214,7 @@ def test_invalid_name_refused_with_audit_only(name, client_and_reg, stage):
                        "sha256": sha_map(src), "base_model": BASE})
     assert resp.status_code == 422 and resp.json()["error"]["code"] == "invalid_name"
     assert "invalid adapter name" in resp.json()["error"]["message"]
-    assert reg.list_states() == [] and reg.blobs.list() == []
+    assert reg.list_states() == [] and reg.blobs.list() == [] and reg.list_page() == []
     (entry,) = reg.audit(after_seq=rev)
     assert entry.action == "register_rejected" and entry.actor == "root"
 

@@ -36,7 +36,9 @@ ENDPOINTS = [("post", "/v1/adapters", {}), ("get", "/v1/adapters", None), ("get"
              ("post", "/v1/adapters/x/canary", {"version": 1, "weight": 0.5}), ("post", "/v1/adapters/x/rollback", None),
              ("post", "/v1/adapters/x/disable", None), ("post", "/v1/adapters/x/enable", None),
              ("delete", "/v1/adapters/x/versions/1", None), ("post", "/v1/base-models", {}), ("get", "/v1/audit", None),
-             ("get", "/v1/base-models", None)]
+             ("get", "/v1/base-models", None), ("delete", "/v1/adapters/x", None),
+             ("post", "/v1/adapters/x/versions/1/retire", None), ("post", "/v1/gc", None),
+             ("get", "/v1/uploads/abcdefgh", None), ("get", "/openapi.json", None), ("get", "/docs", None)]
 
 
 @pytest.mark.parametrize("method,path,body", ENDPOINTS)
@@ -72,8 +74,9 @@ def test_publisher_is_limited_to_its_tenant(api, stage, tiny_base):
     assert client.post("/v1/adapters/acme-priv/disable", headers=H("globex")).status_code == 404
     assert client.get("/v1/adapters/acme-priv", headers=H("globex")).status_code == 404
     assert _register(client, "globex", "acme-pub", stage("b")).status_code == 403  # name owned by acme
-    assert [a["name"] for a in client.get("/v1/adapters", headers=H("globex")).json()] == ["acme-pub"]
-    assert sorted(a["name"] for a in client.get("/v1/adapters", headers=H("acme")).json()) == ["acme-priv", "acme-pub"]
+    assert [a["name"] for a in client.get("/v1/adapters", headers=H("globex")).json()["items"]] == ["acme-pub"]
+    assert [a["name"] for a in client.get("/v1/adapters", headers=H("acme")).json()["items"]] == ["acme-priv",
+                                                                                                  "acme-pub"]
     assert reg.get("acme-pub").disabled is False and list(reg.get("acme-pub").versions) == [1]
 
 
@@ -89,20 +92,22 @@ def test_full_lifecycle_over_http_is_audited(api, stage):
              ("post", "/v1/adapters/s/rollback", None, lambda s: s["active_version"] == 1),
              ("post", "/v1/adapters/s/disable", None, lambda s: s["disabled"]),
              ("post", "/v1/adapters/s/enable", None, lambda s: not s["disabled"]),
-             ("delete", "/v1/adapters/s/versions/2", None, lambda s: s["versions"]["2"]["status"] == "retired")]
+             ("post", "/v1/adapters/s/versions/2/retire", None, lambda s: s["versions"]["2"]["status"] == "retired")]
     for method, path, body, ok in steps:
         resp = client.request(method, path, headers=H("acme"), json=body)
         assert resp.status_code == 200 and ok(resp.json()), (path, resp.text)
     versions = client.get("/v1/adapters/s/versions", headers=H("acme")).json()
     assert [(v["version"], v["status"]) for v in versions] == [(1, "active"), (2, "retired")]
-    audit = client.get("/v1/audit", headers=H("adm"), params={"name": "s"}).json()
-    assert [e["action"] for e in audit] == ["stage", "register", "stage", "register", "promote", "canary", "promote",
+    audit = client.get("/v1/audit", headers=H("adm"), params={"name": "s", "order": "oldest"}).json()
+    assert [e["action"] for e in audit] == ["register", "register", "promote", "canary", "promote",
                                             "rollback", "disable", "enable", "retire"]
+    newest = client.get("/v1/audit", headers=H("adm"), params={"name": "s", "limit": 3}).json()
+    assert newest == audit[::-1][:3]  # newest first by default
     assert {e["actor"] for e in audit} == {"pub-acme"}
-    rollback = audit[7]
+    rollback = audit[5]
     assert rollback["before"]["active_version"] == 2 and rollback["after"]["active_version"] == 1
     assert all(e["ts"] > 0 for e in audit)
-    page = client.get("/v1/audit", headers=H("adm"), params={"after_seq": audit[-2]["seq"]}).json()
+    page = client.get("/v1/audit", headers=H("adm"), params={"after_seq": audit[-2]["seq"], "order": "oldest"}).json()
     assert [e["action"] for e in page] == ["retire"]
 
 
@@ -114,6 +119,15 @@ def test_full_lifecycle_over_http_is_audited(api, stage):
     ("delete", "/v1/adapters/s/versions/1", None, 409, "conflict"),
     ("post", "/v1/adapters/none/enable", None, 404, "adapter_not_found"),
     ("post", "/v1/adapters/s/promote", {"version": "one"}, 422, "invalid_request"),
+    ("post", "/v1/adapters/s/promote", {"version": True}, 422, "invalid_request"),
+    ("post", "/v1/adapters/s/promote", {"version": "1"}, 422, "invalid_request"),
+    ("post", "/v1/adapters/s/promote", {"version": 1.0}, 422, "invalid_request"),
+    ("post", "/v1/adapters/s/promote", {"version": 1, "force": True}, 422, "invalid_request"),
+    ("post", "/v1/adapters/s/canary", {"version": True, "weight": 0.5}, 422, "invalid_request"),
+    ("post", "/v1/adapters/s/canary", {"version": 1, "weight": "0.5"}, 422, "invalid_request"),
+    ("post", "/v1/adapters", {"name": "s", "source_uri": "/x", "sha256": {}, "base_model": BASE, "activate": "yes"},
+     422, "invalid_request"),
+    ("delete", "/v1/adapters/s", None, 409, "conflict"),
 ])
 def test_refused_operations_change_nothing(api, stage, method, path, body, status, code):
     client, reg = api
@@ -124,9 +138,13 @@ def test_refused_operations_change_nothing(api, stage, method, path, body, statu
     assert reg.revision() == rev
 
 
-def test_openapi_schema_lists_the_control_plane(api):
+def test_openapi_schema_and_docs_need_the_admin_token(api):
     client, _ = api
-    paths = client.get("/openapi.json").json()["paths"]
+    assert client.get("/openapi.json", headers=H("acme")).status_code == 403
+    assert client.get("/docs", headers=H("acme")).status_code == 403
+    docs = client.get("/docs", headers=H("adm"))
+    assert docs.status_code == 200 and "/openapi.json" in docs.text and "swagger" in docs.text.lower()
+    paths = client.get("/openapi.json", headers=H("adm")).json()["paths"]
     assert {"/v1/adapters", "/v1/adapters/{name}", "/v1/adapters/{name}/versions", "/v1/adapters/{name}/promote",
             "/v1/adapters/{name}/canary", "/v1/adapters/{name}/rollback", "/v1/adapters/{name}/disable",
             "/v1/adapters/{name}/enable", "/v1/adapters/{name}/versions/{version}", "/v1/base-models", "/v1/audit",

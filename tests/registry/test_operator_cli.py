@@ -51,11 +51,12 @@ def test_direct_mode_push_and_lifecycle(cli_env, capsys, adapter_templates, tiny
     assert run(capsys, "disable", "ops")[1]["disabled"] is True
     assert run(capsys, "enable", "ops")[1]["disabled"] is False
     assert run(capsys, "retire", "ops", "1")[1]["versions"]["1"]["status"] == "retired"
-    assert [a["name"] for a in run(capsys, "list")[1]] == ["ops"]
+    assert [a["name"] for a in run(capsys, "list")[1]["items"]] == ["ops"]
     assert run(capsys, "show", "ops")[1]["active_version"] == 2
-    audit = run(capsys, "audit", "--name", "ops")[1]
+    audit = run(capsys, "audit", "--name", "ops", "--order", "oldest")[1]
     assert [e["action"] for e in audit][-6:] == ["canary", "promote", "rollback", "disable", "enable", "retire"]
     assert audit[0]["actor"] == "bob"
+    assert run(capsys, "audit", "--name", "ops", "--limit", "1")[1][0]["action"] == "retire"  # newest first
 
 
 def test_direct_mode_refusal_exits_nonzero_with_reason(cli_env, capsys, adapter_templates, tiny_base, tmp_path):
@@ -65,7 +66,7 @@ def test_direct_mode_refusal_exits_nonzero_with_reason(cli_env, capsys, adapter_
     code, _, err = run(capsys, "push", str(bad), "--name", "big", "--base-model", BASE)
     assert code == 1 and "rank 16 is too high" in err
     code, _, err = run(capsys, "promote", "big", "1")
-    assert code == 1 and "failed" in err
+    assert code == 1 and "not found" in err  # the refusal recorded no adapter
 
 
 def test_console_script_is_installed(cli_env, adapter_templates, tiny_base):
@@ -109,6 +110,6 @@ def test_rest_mode_against_uvicorn(served, cli_env, capsys, adapter_templates):
     assert rec["status"] == "active" and reg.resolve("r", None).version == 1
     assert run(capsys, "--url", url, "--token", "tok", "disable", "r")[1]["disabled"] is True
     assert [e["actor"] for e in run(capsys, "--url", url, "--token", "tok", "audit", "--name", "r")[1]] == \
-        ["cli-admin"] * 4
+        ["cli-admin"] * 3
     code, _, err = run(capsys, "--url", url, "--token", "nope", "list")
     assert code == 1 and "HTTP 401" in err

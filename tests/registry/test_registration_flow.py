@@ -22,7 +22,7 @@ def test_register_local_source_becomes_ready_with_measured_fields(reg, stage):
     assert all(reg.blobs.exists(f.sha256) for f in rec.files.values())
     assert reg.get("support").versions[1] == rec
     actions = [e.action for e in reg.audit(name="support")]
-    assert actions == ["stage", "register"]
+    assert actions == ["register"]
     assert all(e.actor == "alice" for e in reg.audit(name="support"))
 
 
@@ -90,7 +90,7 @@ def test_bad_base_model_config_refused(reg, tiny_base, field, value):
         reg.register_base_model("bad", cfg)
 
 
-def test_blob_store_outage_keeps_a_failed_version_and_reports_503(make_registry, stage):
+def test_blob_store_outage_records_nothing_and_reports_503(make_registry, stage):
     from registry import RegistryError
 
     reg = make_registry("sqlite+local")
@@ -105,6 +105,6 @@ def test_blob_store_outage_keeps_a_failed_version_and_reports_503(make_registry,
     src = stage("a")
     with pytest.raises(RegistryError, match="endpoint unreachable") as info:
         reg.register("o", str(src), sha_map(src), BASE)
-    assert info.value.status == 503
-    rec = reg.get("o").versions[1]
-    assert rec.status == AdapterStatus.failed and rec.failure_code == "storage_error"
+    assert info.value.status == 503 and info.value.code == "storage_error"
+    assert reg.list_states() == []
+    assert [(e.action, e.details["code"]) for e in reg.audit(name="o")] == [("register_rejected", "storage_error")]

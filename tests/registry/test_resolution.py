@@ -38,7 +38,7 @@ def test_disabled_adapter_resolves_to_clear_error_and_enable_restores(two_versio
     reg.disable("sup")
     with pytest.raises(AdapterDisabled, match="'sup' is disabled"):
         reg.resolve("sup", None)
-    assert reg.list_adapters() == []
+    assert reg.list_adapters() == ()
     reg.enable("sup")
     assert reg.resolve("sup", None).version == 1
 
