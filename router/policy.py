@@ -33,7 +33,13 @@ __all__ = [
     "rank_for_adapter",
     "rank_for_base",
     "adapter_family",
+    "rank_replicas",
+    "RESIDENT_DEVICE",
+    "RESIDENT_HOST",
+    "RESIDENT_NONE",
 ]
+
+RESIDENT_NONE, RESIDENT_HOST, RESIDENT_DEVICE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -144,3 +150,22 @@ def rank_for_base(replicas: Sequence[ReplicaState], rng: Optional[random.Random]
         picked = rng.sample(list(replicas), 2)
     picked.sort(key=lambda r: r.queue_len)
     return [[r.replica_id for r in picked]] if picked else []
+
+
+def rank_replicas(residency: Sequence[int], is_home: Sequence[bool], loads: Sequence[int], load_bound: float,
+                  load_bound_floor: int = 2, full: Optional[Sequence[bool]] = None) -> list[int]:
+    """Replica indices, best first, for one request for an adapter (the placement-aware score).
+
+    residency[i] is `RESIDENT_DEVICE` > `RESIDENT_HOST` > `RESIDENT_NONE`; `is_home[i]` says
+    whether the placement made replica i a home of the adapter; `loads[i]` is requests in
+    flight. Bounded load: replica i is over the bound when loads[i] + 1 > max(load_bound_floor,
+    ceil(load_bound * (sum(loads) + 1) / n)) or `full[i]`; those go last, so one hot adapter
+    cannot push a replica past its share while others have room. Within each group:
+    residency, then home, then load.
+    """
+    n = len(loads)
+    if n == 0:
+        return []
+    bound = max(load_bound_floor, math.ceil(load_bound * (sum(loads) + 1) / n))
+    over = [loads[i] >= bound or (full is not None and full[i]) for i in range(n)]
+    return sorted(range(n), key=lambda i: (over[i], -residency[i], not is_home[i], loads[i]))
