@@ -170,6 +170,8 @@ class RedisMetadataStore:
         if after is None and consumer is not None:
             after = self.feed_offset(consumer)
         start = self.revision() if after is None else after
+        if consumer is not None:  # from now on a restart replays from here at the latest
+            self._r.hset(self._k("feed_offsets"), consumer, start)
         stop = threading.Event()
         reader = redis.Redis(connection_pool=self._r.connection_pool)
 

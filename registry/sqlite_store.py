@@ -144,6 +144,8 @@ class SQLiteMetadataStore:
             after = self.feed_offset(consumer)
         stop = threading.Event()
         last = self.revision() if after is None else after
+        if consumer is not None:  # from now on a restart replays from here at the latest
+            self._offsets().execute("INSERT OR REPLACE INTO feed_offsets (consumer, seq) VALUES (?, ?)", (consumer, last))
 
         def poll() -> None:
             nonlocal last

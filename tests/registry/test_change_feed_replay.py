@@ -91,6 +91,20 @@ def test_subscribe_after_a_revision_replays_from_there_and_unnamed_starts_now(st
     assert s.feed_offset("nobody") is None
 
 
+def test_a_consumer_stopped_before_any_event_still_replays_from_its_start(store_factory):
+    writer = store_factory()
+    writer.update("a", add_version("a"))
+    stop = store_factory().subscribe(Collector(), consumer="idle")
+    stop()  # down before anything happened
+    writer.update("b", add_version("b"))
+    again = Collector()
+    stop = store_factory().subscribe(again, consumer="idle")
+    try:
+        assert [(e["name"], e["revision"]) for e in again.wait_for(1)] == [("b", 2)]
+    finally:
+        stop()
+
+
 def test_a_failing_callback_does_not_stop_the_feed(store_factory):
     s = store_factory()
     seen = Collector()
