@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import hmac
 from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -79,11 +83,6 @@ class OpenAIIngress:
 def add_placement_route(app, reporter: PlacementReporter, admin_token: str, prefix: str) -> None:
     """`GET {prefix}/v1/placement` (admin token): the controller's current plan, fresh. Inserted
     ahead of the control plane's mount at `prefix`, which would otherwise take the path."""
-    import hmac
-
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
-
     async def placement(request: Request) -> JSONResponse:
         auth = request.headers.get("authorization", "")
         if not hmac.compare_digest(auth.encode(), f"Bearer {admin_token}".encode()):

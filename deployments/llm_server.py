@@ -344,4 +344,5 @@ class LLMServer:
             "homes": None if self._placement_sync is None else sorted(
                 f for f, t in self.placement["tiers"].items() if t != TIER_NAMES[TIER_COLD]),
             "placement_version": self.placement["version"],
+            "pinned": sorted(self._pinned),
         }
