@@ -150,9 +150,10 @@ class LLMServer:
         serving = {adapter_key(name, v) for v in (state.active_version, state.canary_version) if v is not None}
         was_resident = name in self.adapters.families()
         self.adapters.retire(name, keep=frozenset(serving))
-        if was_resident and state.active_version is not None:
-            key = adapter_key(name, state.active_version)
-            if not self.adapters.is_known(key):
+        # warm the versions about to take traffic (active, canary) where an older one lives
+        for version in (state.active_version, state.canary_version) if was_resident else ():
+            key = adapter_key(name, version) if version is not None else None
+            if key is not None and not self.adapters.is_known(key):
                 try:
                     lease = await self.adapters.acquire(key)
                     self.adapters.release(lease.key)

@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,28 @@ def test_replica_stopped_during_a_promote_serves_the_promoted_version_after_rest
         reg.close()
     assert first[-1]["type"] == "end" and second[-1]["type"] == "end"
     assert second[0]["adapter_hit"] is True  # warmed where the old version lived, before traffic
+
+
+def test_a_canary_is_warmed_where_the_active_version_lives(engine_env, tmp_path):
+    cfg, engine, reg = engine_env
+    paths = demo_paths(cfg)["adapters"]
+    names = sorted(paths)
+    incoming = Path(reg.settings.allowed_local_roots[0])
+    for i, src in enumerate(names[:2]):
+        d = incoming / f"cn-{i}-{uuid.uuid4().hex[:6]}"
+        shutil.copytree(paths[src], d)
+        reg.register("cn", str(d), sha256_of_dir(d), cfg.base_model_name, actor="t", activate=i == 0)
+
+    async def scenario():
+        server = LLMServer(cfg, engine, reg, "r-canary")
+        await server.start()
+        try:
+            await asyncio.sleep(0.3)
+            [c async for c in server.generate(GenerateRequest("c1", "cn@1", GREEDY, prompt="q\n"))]
+            reg.canary("cn", 2, 0.1, actor="t")
+            await wait_until(lambda: server.adapters.is_known("cn@2"), timeout=20)
+            return server.adapters.known()
+        finally:
+            await server.stop()
+
+    assert {"cn@1", "cn@2"} <= set(asyncio.run(scenario()))
