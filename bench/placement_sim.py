@@ -17,7 +17,9 @@ fetches it (`--fetch-s`, delaying that request only); host -> device takes `--h2
 `requests` counts all requests; the figures are over the ones after `--warmup`.
 `device`/`host`/`fetch`: where the adapter was when the request arrived (a request arriving
 while its adapter is still loading counts as fetch); `fetches_per_1k` counts every blob-store
-fetch, prefetches included. The last line printed is one JSON object.
+fetch, prefetches included. One line per policy adds queueing p99 (arrival -> start of decoding),
+prefetches per 1,000 and the share served off its home (ours only); the last line printed is one
+JSON object with the keys issue 17 names.
 """
 
 from __future__ import annotations
