@@ -54,6 +54,7 @@ class PlacementConfig:
     min_pinned_homes: int = 2
     replication_factor: float = 1.5  # homes = ceil(share_of_load * replicas * factor)
     pinned_device_fraction: float = 0.5  # device slots that pinned copies may take (rest: cache)
+    pinned_copy_share: float = 0.1  # host slots that pinned adapters' extra copies may take
     home_host_fraction: float = 0.75  # host slots that planned homes may take (rest: cold cache)
     load_bound: float = 1.25  # planned homes: no replica above load_bound x the mean planned load
     route_load_bound: float = 1.6  # routing: a replica with more in flight than this x the mean is skipped
@@ -69,8 +70,9 @@ class PlacementConfig:
             raise ValueError("pinned_share and warm_share must be in [0, 1] and sum to <= 1")
         if self.min_pinned_homes < 1 or self.replication_factor <= 0:
             raise ValueError("min_pinned_homes must be >= 1 and replication_factor > 0")
-        if not (0 <= self.pinned_device_fraction <= 1 and 0 <= self.home_host_fraction <= 1):
-            raise ValueError("pinned_device_fraction and home_host_fraction must be in [0, 1]")
+        if not (0 <= self.pinned_device_fraction <= 1 and 0 <= self.home_host_fraction <= 1
+                and 0 <= self.pinned_copy_share <= 1):
+            raise ValueError("pinned_device_fraction, home_host_fraction and pinned_copy_share must be in [0, 1]")
         if self.load_bound < 1 or self.route_load_bound < 1 or self.load_bound_floor < 1:
             raise ValueError("load_bound and route_load_bound must be >= 1, load_bound_floor >= 1")
         if self.tier_hysteresis < 0 or self.home_stickiness < 0:
@@ -107,8 +109,12 @@ def assign_tiers(rates: np.ndarray, num_replicas: int, device_slots: int, host_s
     if active == 0 or num_replicas <= 0:
         return tiers
     pin_room = num_replicas * math.floor(device_slots * cfg.pinned_device_fraction)
-    # pinned copies fill 3/4 of their device room: the rest takes hot adapters' extra homes
-    n_pin = min(math.ceil(cfg.pinned_share * active), (3 * pin_room // 4) // max(1, min(cfg.min_pinned_homes, num_replicas)))
+    # pinned copies fill 3/4 of their device room: the rest takes hot adapters' extra homes; and their
+    # second copies take at most `pinned_copy_share` of all host slots (each one displaces an adapter)
+    copies = max(1, min(cfg.min_pinned_homes, num_replicas))
+    n_pin = min(math.ceil(cfg.pinned_share * active), (3 * pin_room // 4) // copies)
+    if copies > 1:
+        n_pin = min(n_pin, math.floor(cfg.pinned_copy_share * num_replicas * host_slots) // (copies - 1))
     host_room = num_replicas * math.floor(host_slots * cfg.home_host_fraction)
     n_warm = min(math.ceil(cfg.warm_share * active), max(0, host_room - n_pin * cfg.min_pinned_homes))
     n_warm = min(n_warm, active - n_pin)

@@ -44,6 +44,13 @@ def test_pinned_tier_capped_by_device_room():
     assert int((tiers == TIER_WARM).sum()) == 3000
 
 
+def test_pinned_copies_capped_by_host_room_in_a_small_cluster():
+    rates = zipf_rates(20, 1.1)
+    tiers = assign_tiers(rates, 2, 8, 8, PlacementConfig())  # 16 host slots for 20 adapters
+    assert int((tiers == TIER_PINNED).sum()) == 1  # one extra copy: 0.1 x 16 slots
+    assert int((tiers == TIER_PINNED).sum()) == 0 or tiers[0] == TIER_PINNED
+
+
 def test_hysteresis_keeps_an_incumbent_at_the_boundary():
     cfg = PlacementConfig(pinned_share=0.5, warm_share=0.5)
     prev = assign_tiers(np.array([10.0, 9.0]), N, DEV, HOST, cfg)
