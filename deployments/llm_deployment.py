@@ -69,7 +69,7 @@ class LLMDeployment:
     async def describe(self) -> dict[str, Any]:
         """Replica id, known adapters and blocked names (tests and operators)."""
         return {"replica": self.server.replica_id, "adapters": self.server.adapters.known(),
-                "stats": self.server.record_routing_stats(), "placement": self.server.placement}
+                "stats": self.server.record_routing_stats(), "placement": self.server.placement.share}
 
     def check_health(self) -> None:
         if not self.server.engine._thread.is_alive():  # noqa: SLF001 - the engine has no public probe

@@ -17,7 +17,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from deployments.adapter_cache import AdapterBlocked, AdapterCache, adapter_key, split_key
 from deployments.config import AppConfig
 from deployments.protocol import GenerateRequest, error_chunk
-from router.placement import TIER_COLD, TIER_NAMES, TIER_PINNED, PlacementConfig, bump_count, eviction_key
+from deployments.replica_placement import ReplicaPlacement
+from router.placement import TIER_PINNED, PlacementConfig
 
 __all__ = ["LLMServer", "engine_config"]
 
@@ -50,15 +51,12 @@ class LLMServer:
         self._publish = publish_residency
         self._clock = clock
         self._placement_sync = placement_sync  # replica id -> {"version", "tiers": {family: tier}}
-        self._placement_cfg = PlacementConfig(**cfg.placement)
-        self.placement: dict[str, Any] = {"version": 0, "tiers": {}}
-        self._usage: dict[str, tuple[float, float]] = {}  # key -> (decayed requests, last request)
-        self._pinned: set[str] = set()
+        self.placement = ReplicaPlacement(PlacementConfig(**cfg.placement), clock)
         # A replica "holds" as many adapters as the engine keeps in host memory; beyond that the idle
         # one the placement values least is dropped (homed elsewhere, then tier, then decayed request
         # count), so routing stats match what is really resident. Pinned and warm homes stay.
         self.adapters = AdapterCache(self._load_adapter, self._forget_adapter, max_known=cfg.max_cpu_loras,
-                                     victim_key=self._victim_key, protected=self._protected)
+                                     victim_key=self.placement.victim_key, protected=self.placement.protected)
         self.counters: dict[str, _AdapterCounters] = defaultdict(_AdapterCounters)
         self._ongoing = 0
         self._stats: dict[str, Any] = {}
@@ -162,27 +160,10 @@ class LLMServer:
         self._publish_residency()
 
     # ------------------------------------------------------------------ placement
-    def _tier(self, key: str) -> int:
-        tier = self.placement["tiers"].get(split_key(key)[0])
-        return TIER_COLD if tier is None else TIER_NAMES.index(tier)
-
-    def _victim_key(self, key: str) -> tuple:
-        count, stamp = self._usage.get(key, (0.0, 0.0))
-        home = split_key(key)[0] in self.placement["tiers"]
-        return eviction_key(home, self._tier(key), count, stamp, self._placement_cfg.half_life_s)
-
-    def _protected(self, key: str) -> bool:
-        return self._tier(key) < TIER_COLD
-
-    def _note_request(self, key: str) -> None:
-        now = self._clock()
-        count, stamp = self._usage.get(key, (0.0, now))
-        self._usage[key] = (bump_count(count, stamp, now, self._placement_cfg.half_life_s), now)
-
     async def _placement_loop(self) -> None:
         while True:
             try:
-                self.placement = await self._placement_sync(self.replica_id)
+                self.placement.share = await self._placement_sync(self.replica_id)
                 await self.apply_placement()
             except Exception:  # noqa: BLE001 - advisory: keep serving on the last plan
                 logger.warning("placement sync failed", exc_info=True)
@@ -195,9 +176,7 @@ class LLMServer:
         from registry import AdapterNotFound
 
         wanted_pins: set[str] = set()
-        for family, tier in sorted(self.placement["tiers"].items(), key=lambda kv: TIER_NAMES.index(kv[1])):
-            if tier == TIER_NAMES[TIER_COLD]:
-                continue
+        for family, tier in self.placement.wanted():
             try:
                 state = await asyncio.to_thread(self.registry.get, family)
             except AdapterNotFound:
@@ -213,15 +192,15 @@ class LLMServer:
                 except Exception:  # noqa: BLE001 - surfaces on the next request for it
                     logger.exception("prefetch of %s failed", key)
                     continue
-            if tier == TIER_NAMES[TIER_PINNED]:
+            if tier == TIER_PINNED:
                 wanted_pins.add(key)
-        for key in self._pinned - wanted_pins:
+        for key in self.placement.pinned - wanted_pins:
             self._set_pinned(key, False)
         for key in wanted_pins:
             self._set_pinned(key, True)
             if key not in self._stats.get("device_adapters", ()):
                 await self._warm_device(key)
-        self._pinned = wanted_pins
+        self.placement.pinned = wanted_pins
 
     def _set_pinned(self, key: str, pinned: bool) -> None:
         # The engine's adapter manager owns pins; AsyncLLMEngine exposes its LLMEngine as `.engine`.
@@ -257,7 +236,7 @@ class LLMServer:
                     logger.exception("loading adapter %s failed", req.adapter_key)
                     yield error_chunk(503, "adapter_load_failed", f"adapter could not be loaded: {e}")
                     return
-                self._note_request(req.adapter_key)
+                self.placement.note_request(req.adapter_key)
                 c = self.counters[req.adapter_key]
                 if lease.hit:
                     c.hits += 1
@@ -342,8 +321,7 @@ class LLMServer:
             "disabled": self.adapters.blocked(),
             "reported_at": self._clock(),
             # families the placement homed here in host memory (pinned, warm); None: no controller
-            "homes": None if self._placement_sync is None else sorted(
-                f for f, t in self.placement["tiers"].items() if t != TIER_NAMES[TIER_COLD]),
-            "placement_version": self.placement["version"],
-            "pinned": sorted(self._pinned),
+            "homes": None if self._placement_sync is None else self.placement.homes(),
+            "placement_version": self.placement.share["version"],
+            "pinned": sorted(self.placement.pinned),
         }

@@ -100,13 +100,13 @@ def test_replica_prefetches_pins_and_unpins_homes(engine_env):
         await server.start()
         try:
             await wait_until(lambda: {"pl-00@1", "pl-01@1"} <= set(server.adapters.known())
-                             and server._pinned == {"pl-00@1"})
+                             and server.placement.pinned == {"pl-00@1"})
             stats = await asyncio.to_thread(engine.stats)
             pinned_in_engine = set(engine.engine.adapters.pinned)
             routing = server.record_routing_stats()
             first = [c async for c in server.generate(GenerateRequest("q1", "pl-00@1", GREEDY, prompt="x = 1\n"))]
             plan.share = {"version": 2, "tiers": {"pl-00": "cold", "pl-01": "warm"}}
-            await wait_until(lambda: server._pinned == set())
+            await wait_until(lambda: server.placement.pinned == set())
             return stats, pinned_in_engine, routing, first, set(engine.engine.adapters.pinned)
         finally:
             await server.stop()
