@@ -16,6 +16,8 @@ from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_o
 from deployments.config import load_config
 from deployments.llm_server import LLMServer, engine_config
 from deployments.protocol import GenerateRequest
+from deployments.replica_placement import ReplicaPlacement
+from router.placement import PlacementConfig
 
 GREEDY = {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
 
@@ -39,6 +41,20 @@ def test_adapter_cache_evicts_by_victim_key_and_keeps_protected():
     known = asyncio.run(scenario())
     assert dropped == ["c@1", "a@1"]
     assert sorted(known) == ["b@1", "d@1", "e@1"]
+
+
+def test_replica_placement_orders_victims_and_lists_homes():
+    clock = [0.0]
+    rp = ReplicaPlacement(PlacementConfig(half_life_s=100.0), clock=lambda: clock[0])
+    rp.share = {"version": 3, "tiers": {"p": "pinned", "w": "warm", "c": "cold"}}
+    for key, n in (("c@1", 5), ("x@1", 50), ("y@1", 1), ("z@1", 2)):
+        for _ in range(n):
+            rp.note_request(key)
+    order = sorted(["p@1", "w@1", "c@1", "x@1", "y@1", "z@1"], key=rp.victim_key)
+    # homed elsewhere first (fewest requests first, however popular), then cold, warm, pinned homes
+    assert order == ["y@1", "z@1", "x@1", "c@1", "w@1", "p@1"]
+    assert [rp.protected(k) for k in ("p@1", "w@1", "c@1", "x@1")] == [True, True, False, False]
+    assert rp.homes() == ["p", "w"] and rp.wanted() == [("p", 0), ("w", 1)]
 
 
 def register_copies(reg, cfg, tmp, names, count):
