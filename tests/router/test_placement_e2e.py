@@ -197,7 +197,13 @@ def test_rising_adapter_pinned_on_two_devices_before_its_peak_and_survives_a_rep
     assert all(r["hit"] for r in elsewhere), after  # its other home, no fetch
 
     def replicated_again():
+        # the controller's plan drops the dead replica and the (>= 2) homes it names hold the adapter
+        with httpx.Client(base_url=base, timeout=30) as http:
+            plan = http.get("/admin/v1/placement", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        homes = set(plan["adapters"][RISING]["homes"])
         d = describe_all()
-        return len(on_device(key, d) - {victim}) >= 2
+        return victim not in plan["replicas"] and len(homes) >= 2 and homes <= on_device(key, d)
 
     wait_for(replicated_again, timeout=max(1.0, 30 - (time.monotonic() - killed_at)))
+    print(f"replication restored {time.monotonic() - killed_at:.1f} s after the kill; "
+          f"peak hits {sum(r['hit'] for r in peak)}/40, after the kill {len(elsewhere)} hits elsewhere")
