@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 __all__ = ["AdapterCache", "AdapterBlocked", "AdapterLease", "adapter_key", "split_key"]
 
@@ -58,10 +58,15 @@ class AdapterCache:
         unload: Callable[[str], None],
         max_known: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        victim_key: Optional[Callable[[str], Any]] = None,
+        protected: Optional[Callable[[str], bool]] = None,
     ):
         if max_known < 1:
             raise ValueError("max_known must be >= 1")
         self._load, self._unload, self._max_known, self._clock = load, unload, max_known, clock
+        # eviction order: smallest key first (default: least recently used); protected keys stay
+        self._victim_key = victim_key or (lambda k: self._known[k].last_used)
+        self._protected = protected or (lambda k: False)
         self._known: OrderedDict[str, _Entry] = OrderedDict()
         self._loading: dict[str, asyncio.Future] = {}
         self._blocked: set[str] = set()  # adapter names (all versions)
@@ -155,16 +160,18 @@ class AdapterCache:
         self.loads += 1
         self.load_seconds += elapsed
         self._known[key] = _Entry(last_used=self._clock())
-        self._evict_over_capacity()
+        self._evict_over_capacity(keep=key)
         fut.set_result(None)
         return elapsed
 
-    def _evict_over_capacity(self) -> None:
-        for key in list(self._known):
-            if len(self._known) <= self._max_known:
-                break
-            if self._known[key].in_use <= 0:
-                self._drop(key)
+    def _evict_over_capacity(self, keep: str = "") -> None:
+        """Drop idle, unprotected adapters in victim order until within `max_known`."""
+        over = len(self._known) - self._max_known
+        if over <= 0:
+            return
+        idle = [k for k, e in self._known.items() if e.in_use <= 0 and k != keep and not self._protected(k)]
+        for key in sorted(idle, key=self._victim_key)[:over]:
+            self._drop(key)
 
     def _drop(self, key: str) -> None:
         self._known.pop(key, None)

@@ -15,6 +15,7 @@ from deployments.bootstrap import bootstrap
 from deployments.config import AppConfig, load_config
 from deployments.ingress import OpenAIIngress
 from deployments.llm_deployment import LLMDeployment
+from deployments.placement import PlacementControllerDeployment
 from router.ray_router import ROUTER_CLASS_PATH
 
 __all__ = ["build_app", "bind_app"]
@@ -23,6 +24,10 @@ __all__ = ["build_app", "bind_app"]
 def bind_app(cfg: AppConfig):
     """The bound application for an already bootstrapped config."""
     router = RequestRouterConfig(request_routing_stats_period_s=cfg.routing_stats_period_s)
+    placement = None
+    if cfg.placement_controller:
+        placement = PlacementControllerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
+            dict(cfg.placement), cfg.max_loras, cfg.max_cpu_loras, cfg.placement_period_s)
     if cfg.affinity_router:
         router = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=dict(cfg.router),
                                      request_routing_stats_period_s=cfg.routing_stats_period_s)
@@ -36,12 +41,12 @@ def bind_app(cfg: AppConfig):
             "num_gpus": cfg.num_gpus_per_replica,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
         },
-    ).bind(cfg.model_dump(mode="json"))
+    ).bind(cfg.model_dump(mode="json"), placement)
     return OpenAIIngress.options(
         num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=max(256, 4 * cfg.max_ongoing_requests * cfg.num_replicas),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
-    ).bind(llm, cfg.model_dump(mode="json"))
+    ).bind(llm, cfg.model_dump(mode="json"), placement)
 
 
 def build_app(args: dict[str, Any]):

@@ -64,6 +64,9 @@ class AppConfig(BaseModel):
     ingress_num_cpus: float = Field(0.25, ge=0)
     affinity_router: bool = Field(True, description="False: Ray Serve's default router (for comparison)")
     router: dict[str, Any] = Field(default_factory=dict, description="AffinityConfig fields")
+    placement_controller: bool = Field(True, description="run the placement controller (tiers, homes, prefetch)")
+    placement: dict[str, Any] = Field(default_factory=dict, description="router.placement.PlacementConfig fields")
+    placement_period_s: float = Field(1.0, gt=0, description="re-plan, report and replica sync period")
     push_residency: bool = Field(
         True, description="replicas push their adapter ids to Serve's controller on every load (both routers see it)"
     )
@@ -116,6 +119,9 @@ class AppConfig(BaseModel):
             raise ValueError("num_gpus_per_replica > 0 needs device='cuda'")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")
+        from router.placement import PlacementConfig
+
+        PlacementConfig(**self.placement)  # validated here, where the config enters
         return self
 
     def uses_default_admin_token(self) -> bool:

@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+import hmac
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
-from deployments.metrics import ServingMetrics
+from deployments.metrics import PlacementTiers, ServingMetrics
+from deployments.placement import PlacementReporter
 from deployments.openai_api import IngressDeps, create_openai_app
 from deployments.protocol import GenerateRequest, ReplicaUnavailable
 from deployments.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter
+from router.policy import adapter_family
 
 __all__ = ["OpenAIIngress", "ServeLLMClient"]
 
@@ -21,15 +27,17 @@ class ServeLLMClient:
     """`LLMClient` over a handle: the adapter key travels as the multiplexed model id, which
     is what `router.AffinityRouter` (and Ray's default router) route on."""
 
-    def __init__(self, handle: DeploymentHandle):
+    def __init__(self, handle: DeploymentHandle, reporter: Optional[PlacementReporter] = None):
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import ReplicaUnavailableError
 
-        self._handle = handle
+        self._handle, self._reporter = handle, reporter
         # The replica died or cannot be reached: the request is not at fault and may go to another one.
         self._replica_failures = (RayActorError, ReplicaUnavailableError)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        if self._reporter is not None and req.adapter_key:
+            self._reporter.count(adapter_family(req.adapter_key))
         gen = self._handle.options(stream=True, multiplexed_model_id=req.adapter_key or "").generate.remote(req)
         try:
             async for chunk in gen:
@@ -43,14 +51,16 @@ class ServeLLMClient:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, config: dict[str, Any]):
+    def __init__(self, llm: DeploymentHandle, config: dict[str, Any], placement: Optional[DeploymentHandle] = None):
         from registry import AdapterDisabled, AdapterNotFound
         from registry.api import create_app as create_admin_app
 
         from deployments.bootstrap import make_registry
 
         cfg = AppConfig.model_validate(config)
+        self.cfg = cfg
         self.registry = make_registry(cfg)
+        self.placement = None if placement is None else PlacementReporter(placement, cfg.placement_period_s)
         admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}})
         rates = lambda specs: {k: (v.rate, v.burst) for k, v in specs.items()}  # noqa: E731
         limiter = RateLimiter((cfg.tenant_rate.rate, cfg.tenant_rate.burst),
@@ -61,7 +71,7 @@ class OpenAIIngress:
             base_name=cfg.base_model_name or "base",
             api_keys=dict(cfg.api_keys),
             resolver=self.registry,
-            llm=ServeLLMClient(llm),
+            llm=ServeLLMClient(llm, self.placement),
             limiter=RedisRateLimiter(redis_url, limiter) if redis_url else limiter,
             gate=ColdLoadGate(limit=cfg.cold_load_concurrency, wait_s=cfg.cold_load_wait_s),
             metrics=ServingMetrics(),
@@ -75,4 +85,21 @@ class OpenAIIngress:
         )
 
     def __serve_build_asgi_app__(self):
-        return create_openai_app(self.deps)
+        app = create_openai_app(self.deps)
+        if self.placement is not None:
+            self.deps.metrics.registry.register(PlacementTiers(self.placement.tiers))
+            add_placement_route(app, self.placement, self.cfg.admin_token, self.cfg.admin_prefix)
+        return app
+
+
+def add_placement_route(app, reporter: PlacementReporter, admin_token: str, prefix: str) -> None:
+    """`GET {prefix}/v1/placement` (admin token): the controller's current plan, fresh. Inserted
+    ahead of the control plane's mount at `prefix`, which would otherwise take the path."""
+    async def placement(request: Request) -> JSONResponse:
+        auth = request.headers.get("authorization", "")
+        if not hmac.compare_digest(auth.encode(), f"Bearer {admin_token}".encode()):
+            return JSONResponse({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
+        return JSONResponse(await reporter.refresh())
+
+    app.add_api_route(f"{prefix}/v1/placement", placement, methods=["GET"])
+    app.router.routes.insert(0, app.router.routes.pop())

@@ -35,7 +35,7 @@ def serve_residency_publisher():
 
 @serve.deployment(name="LLMServer")
 class LLMDeployment:
-    async def __init__(self, config: dict[str, Any]):
+    async def __init__(self, config: dict[str, Any], placement: Any = None):
         import torch
 
         from deployments.bootstrap import make_registry
@@ -51,7 +51,10 @@ class LLMDeployment:
         engine = AsyncLLMEngine(engine_config(cfg, model_dir))
         replica_id = serve.get_replica_context().replica_id.unique_id
         publish = serve_residency_publisher() if cfg.push_residency else None
-        self.server = LLMServer(cfg, engine, make_registry(cfg), replica_id, publish)
+        sync = None
+        if placement is not None:  # a handle to PlacementControllerDeployment
+            sync = lambda rid: placement.sync.remote(rid)  # noqa: E731 - awaiting a handle call gives its result
+        self.server = LLMServer(cfg, engine, make_registry(cfg), replica_id, publish, placement_sync=sync)
         await self.server.start()
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
@@ -66,7 +69,7 @@ class LLMDeployment:
     async def describe(self) -> dict[str, Any]:
         """Replica id, known adapters and blocked names (tests and operators)."""
         return {"replica": self.server.replica_id, "adapters": self.server.adapters.known(),
-                "stats": self.server.record_routing_stats()}
+                "stats": self.server.record_routing_stats(), "placement": self.server.placement.share}
 
     def check_health(self) -> None:
         if not self.server.engine._thread.is_alive():  # noqa: SLF001 - the engine has no public probe

@@ -12,11 +12,13 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from deployments.adapter_cache import AdapterBlocked, AdapterCache, adapter_key, split_key
 from deployments.config import AppConfig
 from deployments.protocol import GenerateRequest, error_chunk
+from deployments.replica_placement import ReplicaPlacement
+from router.placement import TIER_PINNED, PlacementConfig
 
 __all__ = ["LLMServer", "engine_config"]
 
@@ -72,13 +74,18 @@ async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, Any]]:
 class LLMServer:
     def __init__(self, cfg: AppConfig, engine: Any, registry: Any, replica_id: str,
                  publish_residency: Optional[Callable[[list[str], dict], None]] = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time,
+                 placement_sync: Optional[Callable[[str], Awaitable[dict]]] = None):
         self.cfg, self.engine, self.registry, self.replica_id = cfg, engine, registry, replica_id
         self._publish = publish_residency
         self._clock = clock
-        # A replica "holds" as many adapters as the engine keeps in host memory; beyond that the
-        # least recently used idle one is dropped, so routing stats match what is really resident.
-        self.adapters = AdapterCache(self._load_adapter, self._forget_adapter, max_known=cfg.max_cpu_loras)
+        self._placement_sync = placement_sync  # replica id -> {"version", "tiers": {family: tier}}
+        self.placement = ReplicaPlacement(PlacementConfig(**cfg.placement), clock)
+        # A replica "holds" as many adapters as the engine keeps in host memory; beyond that the idle
+        # one the placement values least is dropped (homed elsewhere, then tier, then decayed request
+        # count), so routing stats match what is really resident. Pinned and warm homes stay.
+        self.adapters = AdapterCache(self._load_adapter, self._forget_adapter, max_known=cfg.max_cpu_loras,
+                                     victim_key=self.placement.victim_key, protected=self.placement.protected)
         self.counters: dict[str, _AdapterCounters] = defaultdict(_AdapterCounters)
         self._ongoing = 0
         self._stats: dict[str, Any] = {}
@@ -92,7 +99,11 @@ class LLMServer:
         self._loop = asyncio.get_running_loop()
         self._stats = await asyncio.to_thread(self.engine.stats)
         self._spawn(self._stats_loop())
-        self._unsubscribe = self.registry.subscribe(self._on_registry_event)
+        # Follow the change feed as a named consumer: started again after a stop (say, during a promote),
+        # this replica replays what it missed from its saved offset; the first time it starts from now.
+        self._unsubscribe = self.registry.subscribe(self._on_registry_event, consumer=f"replica:{self.replica_id}")
+        if self._placement_sync is not None:
+            self._spawn(self._placement_loop())
 
     async def stop(self) -> None:
         if self._unsubscribe is not None:
@@ -167,15 +178,77 @@ class LLMServer:
         serving = {adapter_key(name, v) for v in (state.active_version, state.canary_version) if v is not None}
         was_resident = name in self.adapters.families()
         self.adapters.retire(name, keep=frozenset(serving))
-        if was_resident and state.active_version is not None:
-            key = adapter_key(name, state.active_version)
-            if not self.adapters.is_known(key):
+        # warm the versions about to take traffic (active, canary) where an older one lives
+        for version in (state.active_version, state.canary_version) if was_resident else ():
+            key = adapter_key(name, version) if version is not None else None
+            if key is not None and not self.adapters.is_known(key):
                 try:
                     lease = await self.adapters.acquire(key)
                     self.adapters.release(lease.key)
                 except Exception:  # noqa: BLE001 - a prefetch failure surfaces on the next request
                     logger.exception("prefetch of %s failed", key)
         self._publish_residency()
+
+    # ------------------------------------------------------------------ placement
+    async def _placement_loop(self) -> None:
+        while True:
+            try:
+                self.placement.share = await self._placement_sync(self.replica_id)
+                await self.apply_placement()
+            except Exception:  # noqa: BLE001 - advisory: keep serving on the last plan
+                logger.warning("placement sync failed", exc_info=True)
+            await asyncio.sleep(self.cfg.placement_period_s)
+
+    async def apply_placement(self) -> None:
+        """Load the active version of every pinned and warm adapter homed here (pinned ones into a
+        device slot, pinned in the engine), unpin what left the pinned tier. Loads run on worker
+        threads and the device copy rides a one-token request, so decoding never waits on them."""
+        from registry import AdapterNotFound
+
+        wanted_pins: set[str] = set()
+        for family, tier in self.placement.wanted():
+            try:
+                state = await asyncio.to_thread(self.registry.get, family)
+            except AdapterNotFound:
+                continue
+            if state.disabled or state.active_version is None:
+                continue
+            key = adapter_key(family, state.active_version)
+            if not self.adapters.is_known(key):
+                try:
+                    lease = await self.adapters.acquire(key)
+                    self.adapters.release(lease.key)
+                    self._publish_residency()
+                except Exception:  # noqa: BLE001 - surfaces on the next request for it
+                    logger.exception("prefetch of %s failed", key)
+                    continue
+            if tier == TIER_PINNED:
+                wanted_pins.add(key)
+        for key in self.placement.pinned - wanted_pins:
+            self._set_pinned(key, False)
+        for key in wanted_pins:
+            self._set_pinned(key, True)
+            if key not in self._stats.get("device_adapters", ()):
+                await self._warm_device(key)
+        self.placement.pinned = wanted_pins
+
+    def _set_pinned(self, key: str, pinned: bool) -> None:
+        # The engine's adapter manager owns pins; AsyncLLMEngine exposes its LLMEngine as `.engine`.
+        self.engine.engine.adapters.set_pinned(key, pinned)
+
+    async def _warm_device(self, key: str) -> None:
+        """Put `key` in a device slot now: a one-token request on it (the scheduler activates it
+        beside the running batch, as for any request)."""
+        from engine_ext import SamplingParams
+
+        stream = self.engine.generate(None, prompt_token_ids=[1], sampling_params=SamplingParams(max_tokens=1),
+                                      adapter_name=key, request_id=f"warm-{key}-{time.monotonic_ns()}")
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()
+        self._stats = await asyncio.to_thread(self.engine.stats)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
@@ -193,6 +266,7 @@ class LLMServer:
                     logger.exception("loading adapter %s failed", req.adapter_key)
                     yield error_chunk(503, "adapter_load_failed", f"adapter could not be loaded: {e}")
                     return
+                self.placement.note_request(req.adapter_key)
                 c = self.counters[req.adapter_key]
                 if lease.hit:
                     c.hits += 1
@@ -346,4 +420,8 @@ class LLMServer:
             "num_ongoing": self._ongoing,
             "disabled": self.adapters.blocked(),
             "reported_at": self._clock(),
+            # families the placement homed here in host memory (pinned, warm); None: no controller
+            "homes": None if self._placement_sync is None else self.placement.homes(),
+            "placement_version": self.placement.share["version"],
+            "pinned": sorted(self.placement.pinned),
         }

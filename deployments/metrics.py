@@ -12,13 +12,13 @@ Tenant-private adapters appear as adapter="private" and without replica-side ser
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["ServingMetrics", "CONTENT_TYPE"]
+__all__ = ["ServingMetrics", "PlacementTiers", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -73,6 +73,21 @@ class _ReplicaSnapshots(Collector):
                 if field in values:
                     fam.add_metric([rid, ad], values[field])
             yield fam
+
+
+class PlacementTiers(Collector):
+    """`loraserve_adapter_tier{adapter}`: 0 pinned, 1 warm, 2 cold, from the placement controller's
+    latest view (`tiers()` -> family -> tier)."""
+
+    def __init__(self, tiers: Callable[[], Mapping[str, int]]) -> None:
+        self._tiers = tiers
+
+    def collect(self) -> Iterable:
+        fam = GaugeMetricFamily("loraserve_adapter_tier", "Placement tier of the adapter: 0 pinned, 1 warm, 2 cold",
+                                labels=["adapter"])
+        for adapter, tier in sorted(self._tiers().items()):
+            fam.add_metric([adapter], float(tier))
+        yield fam
 
 
 class ServingMetrics:

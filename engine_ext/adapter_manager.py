@@ -68,6 +68,14 @@ class AdapterManager:
             self._host.pop(name, None)
             self.removals += 1
 
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        """Pinned adapters are never evicted from host memory or from their device slot."""
+        with self._lock:
+            if pinned and name in self.paths:
+                self.pinned.add(name)
+            else:
+                self.pinned.discard(name)
+
     def known(self, name: str) -> bool:
         return name in self.paths
 

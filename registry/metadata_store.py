@@ -66,9 +66,14 @@ class MetadataStore(Protocol):
 
     def revision(self) -> int: ...
 
-    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
-        """Call `callback(event)` for every committed mutation (from another thread) -> unsubscribe fn."""
+    def subscribe(self, callback: Callable[[Event], None], *, consumer: str | None = None,
+                  after: int | None = None) -> Callable[[], None]:
+        """Call `callback(event)` for every committed mutation after revision `after`, in order (from another
+        thread) -> unsubscribe fn. `after` defaults to `consumer`'s saved offset, else the current revision;
+        a named consumer's offset advances as events are delivered, so it replays what it missed."""
         ...
+
+    def feed_offset(self, consumer: str) -> int | None: ...
 
     def close(self) -> None: ...
 

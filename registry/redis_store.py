@@ -1,16 +1,19 @@
 """Metadata in Redis: optimistic transactions (WATCH the adapter's keys, compute, MULTI/EXEC a Lua commit),
-version history in a per-adapter hash, the audit log as a stream whose entry ids are the revisions, and a
-pub/sub channel that tells serving replicas what changed.
+version history in a per-adapter hash, the audit log as a stream whose entry ids are the revisions (also the
+change feed replicas follow from their offsets), and a pub/sub channel for listeners that need no replay.
 
 Keys under `prefix`: index (sorted set of adapter names, all score 0, paged by ZRANGEBYLEX), head:{name} (JSON),
 versions:{name} (hash version -> record JSON), tombstones (hash name -> last version number of a deleted adapter),
 base_models (hash), revision (counter), audit (stream, id "{seq}-0"), audit:{name} (the same entries of one name:
-the by-name index), channel events. Both audit streams are capped near `audit_retention` entries.
+the by-name index), feed_offsets (hash consumer -> seq), channel events. Both audit streams are capped near
+`audit_retention` entries.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from typing import Callable
 
 import redis
@@ -20,6 +23,8 @@ from registry.metadata_store import Event, Mutation, changed_versions, removed_v
 from registry.records import AdapterRecord, AdapterState, AuditEntry
 
 __all__ = ["RedisMetadataStore"]
+
+logger = logging.getLogger(__name__)
 
 # The commit runs inside MULTI after WATCH, so it only executes if no watched key changed; doing it in Lua lets
 # the revision counter, the audit stream id and the published event all use the same freshly incremented value.
@@ -221,15 +226,54 @@ class RedisMetadataStore:
                               entry.name)[1]
 
     # -- change feed ---------------------------------------------------------------------------------------
-    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
-        pubsub = self._r.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(**{self._k("events"): lambda msg: callback(json.loads(msg["data"]))})
-        thread = pubsub.run_in_thread(sleep_time=0.05, daemon=True)
+    # The audit stream is the change feed: its entry ids are the revisions, so a subscriber reads it with
+    # XREAD from an offset and replays whatever it missed. A named consumer's offset is kept in the hash
+    # `feed_offsets`, so it resumes where it stopped after a restart or a lost connection.
+    def feed_offset(self, consumer: str) -> int | None:
+        raw = self._r.hget(self._k("feed_offsets"), consumer)
+        return None if raw is None else int(raw)
+
+    def subscribe(self, callback: Callable[[Event], None], *, consumer: str | None = None,
+                  after: int | None = None) -> Callable[[], None]:
+        """Deliver every mutation after revision `after` (default: the consumer's saved offset, else now),
+        in order, on a daemon thread; then follow new ones. -> unsubscribe fn."""
+        if after is None and consumer is not None:
+            after = self.feed_offset(consumer)
+        start = self.revision() if after is None else after
+        if consumer is not None:  # from now on a restart replays from here at the latest
+            self._r.hset(self._k("feed_offsets"), consumer, start)
+        stop = threading.Event()
+        reader = redis.Redis(connection_pool=self._r.connection_pool)
+
+        def follow() -> None:
+            last = start
+            while not stop.is_set():
+                try:
+                    batch = reader.xread({self._k("audit"): f"{last}-0"}, count=500, block=250)
+                except redis.RedisError:
+                    stop.wait(0.5)  # reconnect and resume from `last`: nothing is skipped
+                    continue
+                for _stream, entries in batch or []:
+                    for sid, fields in entries:
+                        seq = int(sid.split("-")[0])
+                        action = json.loads(fields["entry"]).get("action")
+                        try:
+                            callback({"name": fields["name"], "action": action, "revision": seq})
+                        except Exception:  # noqa: BLE001 - one bad event must not stop the feed
+                            logger.exception("change-feed callback failed at revision %d", seq)
+                        last = seq
+                        if consumer is not None:
+                            try:
+                                self._r.hset(self._k("feed_offsets"), consumer, seq)
+                            except redis.RedisError:
+                                logger.warning("could not save feed offset of %s", consumer)
+
+        thread = threading.Thread(target=follow, name="registry-redis-feed", daemon=True)
+        thread.start()
 
         def unsubscribe() -> None:
-            thread.stop()
+            stop.set()
             thread.join(timeout=5)
-            pubsub.close()
 
         return unsubscribe
 

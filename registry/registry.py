@@ -315,8 +315,9 @@ class Registry:
     def revision(self) -> int:
         return self.metadata.revision()
 
-    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
-        return self.metadata.subscribe(callback)
+    def subscribe(self, callback: Callable[[Event], None], *, consumer: str | None = None,
+                  after: int | None = None) -> Callable[[], None]:
+        return self.metadata.subscribe(callback, consumer=consumer, after=after)
 
     # -- files ---------------------------------------------------------------------------------------------
     def materialize(self, rec: AdapterRecord) -> Path:

@@ -3,6 +3,7 @@ so a read-modify-write never interleaves with another writer, across threads and
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 from pathlib import Path
@@ -13,6 +14,8 @@ from registry.metadata_store import Event, Mutation, changed_versions, removed_v
 from registry.records import AdapterRecord, AdapterState, AuditEntry
 
 __all__ = ["SQLiteMetadataStore"]
+
+logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS adapters (name TEXT PRIMARY KEY, head TEXT NOT NULL);
@@ -174,17 +177,42 @@ class SQLiteMetadataStore:
         return self._transaction(lambda c: Mutation(audit=entry))[1]
 
     # -- change feed ---------------------------------------------------------------------------------------
-    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
-        """SQLite has no push channel: a daemon thread polls the audit table for new entries."""
+    # The audit table is the change feed (seq = revision); a named consumer's offset is kept in feed_offsets,
+    # so it resumes where it stopped after a restart.
+    def _offsets(self) -> sqlite3.Connection:
+        c = self._conn()
+        c.execute("CREATE TABLE IF NOT EXISTS feed_offsets (consumer TEXT PRIMARY KEY, seq INTEGER NOT NULL)")
+        return c
+
+    def feed_offset(self, consumer: str) -> int | None:
+        row = self._offsets().execute("SELECT seq FROM feed_offsets WHERE consumer = ?", (consumer,)).fetchone()
+        return None if row is None else row[0]
+
+    def subscribe(self, callback: Callable[[Event], None], *, consumer: str | None = None,
+                  after: int | None = None) -> Callable[[], None]:
+        """Deliver every mutation after revision `after` (default: the consumer's saved offset, else now),
+        in order; SQLite has no push channel, so a daemon thread polls the audit table. -> unsubscribe fn."""
+        if after is None and consumer is not None:
+            after = self.feed_offset(consumer)
         stop = threading.Event()
-        last = self.revision()
+        last = self.revision() if after is None else after
+        if consumer is not None:  # from now on a restart replays from here at the latest
+            self._offsets().execute("INSERT OR REPLACE INTO feed_offsets (consumer, seq) VALUES (?, ?)", (consumer, last))
 
         def poll() -> None:
             nonlocal last
-            while not stop.wait(self._poll):
+            while True:
                 for e in self.audit(after_seq=last, limit=1000):
+                    try:
+                        callback({"name": e.name, "action": e.action, "revision": e.seq})
+                    except Exception:  # noqa: BLE001 - one bad event must not stop the feed
+                        logger.exception("change-feed callback failed at revision %d", e.seq)
                     last = e.seq
-                    callback({"name": e.name, "action": e.action, "revision": e.seq})
+                    if consumer is not None:
+                        self._offsets().execute("INSERT OR REPLACE INTO feed_offsets (consumer, seq) VALUES (?, ?)",
+                                                (consumer, last))
+                if stop.wait(self._poll):
+                    return
 
         thread = threading.Thread(target=poll, name="registry-sqlite-poll", daemon=True)
         thread.start()

@@ -1,10 +1,13 @@
-"""Where a request goes: adapter-affinity routing for the LLM replicas.
+"""Where a request goes and where adapters live.
 
-`router.policy` is pure (tiers from replica snapshots); `router.ray_router.AffinityRouter`
-is the thin Ray Serve `RequestRouter` around it.
+`router.placement` (tiers, homes, eviction order) and `router.policy` (replica ranking) are pure;
+`router.controller.PlacementController` runs the placement over reported counts;
+`router.ray_router.AffinityRouter` is the thin Ray Serve `RequestRouter` around the ranking.
 """
 
-from router.policy import AffinityConfig, ReplicaState, num_homes, rank_for_adapter, rank_for_base
+from router.controller import PlacementController, PlacementView
+from router.placement import PlacementConfig
+from router.policy import AffinityConfig, ReplicaState, num_homes, rank_for_adapter, rank_for_base, rank_replicas
 from router.popularity import PopularityTracker
 from router.ray_router import ROUTER_CLASS_PATH, AffinityRouter
 from router.rendezvous import home_replicas
@@ -12,6 +15,9 @@ from router.rendezvous import home_replicas
 __all__ = [
     "AffinityConfig",
     "AffinityRouter",
+    "PlacementConfig",
+    "PlacementController",
+    "PlacementView",
     "PopularityTracker",
     "ROUTER_CLASS_PATH",
     "ReplicaState",
@@ -19,4 +25,5 @@ __all__ = [
     "num_homes",
     "rank_for_adapter",
     "rank_for_base",
+    "rank_replicas",
 ]

@@ -1,19 +1,18 @@
 """The adapter-affinity routing policy, as pure functions over replica snapshots.
 
-For a request naming an adapter, replicas are ranked in tiers; the Ray shell hands the
-tiers to Serve, which takes the least-loaded replica of the first tier that has room.
-Unsaturated replicas come first, in this order:
+For a request naming an adapter, `rank_replicas` orders the replicas; the Ray shell hands
+them to Serve one per tier, and Serve takes the first with room. The order:
 
-  cold adapter (1 home):  replicas holding it (device, then host memory) > its rendezvous
-                          home > any other replica (spill, least loaded first)
-  hot adapter (>= 2 homes): replicas holding it and its homes together (it spreads over
-                          them on purpose) > any other replica
+  1. replicas within the load bound (bounded-load hashing: in flight below max(floor,
+     ceil(load_bound x mean)) and not saturated) before the others, so one hot adapter
+     cannot pile onto a replica while others have room;
+  2. residency: the adapter on the device > in host memory > not there;
+  3. its placement homes (from the placement controller; rendezvous homes without one);
+  4. fewer requests in flight.
 
-then the saturated ones: those holding it or homes (queue there rather than load it again),
-then the rest. A cold adapter that already lives somewhere stays there: a second copy
-would cost a load and, when adapter room is short, evict another adapter.
-
-Base-model requests (no adapter) use the power of two choices.
+A cold adapter that already lives somewhere stays there (residency before home): a second
+copy would cost a load and evict another adapter. Base-model requests use the power of two
+choices.
 """
 
 from __future__ import annotations
@@ -33,7 +32,13 @@ __all__ = [
     "rank_for_adapter",
     "rank_for_base",
     "adapter_family",
+    "rank_replicas",
+    "RESIDENT_DEVICE",
+    "RESIDENT_HOST",
+    "RESIDENT_NONE",
 ]
+
+RESIDENT_NONE, RESIDENT_HOST, RESIDENT_DEVICE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class AffinityConfig:
     saturation: float = 0.75  # queue_len >= saturation * max_ongoing -> saturated, spill
     popularity_half_life_s: float = 30.0
     assignment_ttl_s: float = 30.0  # trust our own "sent adapter X to R" this long
+    load_bound: float = 1.6  # bounded load: skip a replica with more than this x the mean in flight
+    load_bound_floor: int = 4  # ... unless it has fewer requests in flight than this
 
     def __post_init__(self) -> None:
         if self.cold_homes < 1 or self.hot_homes < self.cold_homes:
@@ -56,6 +63,8 @@ class AffinityConfig:
             raise ValueError(f"hot_share must be in (0, 1], got {self.hot_share}")
         if not 0.0 < self.saturation <= 1.0:
             raise ValueError(f"saturation must be in (0, 1], got {self.saturation}")
+        if self.load_bound < 1 or self.load_bound_floor < 1:
+            raise ValueError("load_bound must be >= 1 and load_bound_floor >= 1")
         if self.replication_factor <= 0 or self.popularity_half_life_s <= 0 or self.assignment_ttl_s <= 0:
             raise ValueError("replication_factor, popularity_half_life_s and assignment_ttl_s must be > 0")
 
@@ -70,6 +79,7 @@ class ReplicaState:
     device_adapters: frozenset[str] = frozenset()
     host_adapters: frozenset[str] = frozenset()
     free_kv_blocks: Optional[int] = None  # None: not reported yet
+    homes: Optional[frozenset[str]] = None  # families the placement controller homed here; None: no plan
 
     def holds(self, adapter: str) -> bool:
         return adapter in self.device_adapters or adapter in self.host_adapters
@@ -102,36 +112,23 @@ def rank_for_adapter(
     cfg: AffinityConfig,
     rng: Optional[random.Random] = None,
 ) -> list[list[str]]:
-    """Tiers of replica ids for a request for `adapter_key` (see the module docstring).
+    """Replica ids for a request for `adapter_key`, best first, one per tier (`rank_replicas`).
 
-    Within tier 0 a cold adapter prefers the replica already holding it; a hot one
-    (homes > 1) breaks load ties at random so that it spreads over all its homes.
+    Homes: the replicas whose reported placement homes the adapter's family; when no replica
+    reports a plan (no controller) or none homes it, its `homes` rendezvous homes. Replicas are
+    shuffled first, so equal scores (say, two idle homes of a hot adapter) are broken at random.
     """
     rng = rng or random
-    home_ids = set(home_replicas(adapter_family(adapter_key), [r.replica_id for r in replicas], homes))
-    spread = homes > 1
-    free = [r for r in replicas if not is_saturated(r, cfg)]
-    busy = [r for r in replicas if is_saturated(r, cfg)]
-
-    def residency(r: ReplicaState) -> int:
-        return 0 if adapter_key in r.device_adapters else 1 if adapter_key in r.host_adapters else 2
-
-    def by_load(rs: list[ReplicaState]) -> list[ReplicaState]:
-        return sorted(rs, key=lambda r: (r.queue_len, residency(r), r.replica_id))
-
-    holders = [r for r in free if r.holds(adapter_key)]
-    homes_free = [r for r in free if r.replica_id in home_ids and not r.holds(adapter_key)]
-    others = [r for r in free if r not in holders and r not in homes_free]
-    if spread:
-        # load ties broken at random, so a hot adapter reaches every home even when idle
-        first = sorted(holders + homes_free, key=lambda r: (r.queue_len, rng.random()))
-        ordered = [first, by_load(others)]
-    else:
-        ordered = [sorted(holders, key=lambda r: (residency(r), r.queue_len, r.replica_id)), homes_free,
-                   by_load(others)]
-    preferred_busy = [r for r in busy if r.holds(adapter_key) or r.replica_id in home_ids]
-    ordered += [by_load(preferred_busy), by_load([r for r in busy if r not in preferred_busy])]
-    return [[r.replica_id for r in tier] for tier in ordered if tier]
+    family = adapter_family(adapter_key)
+    planned = {r.replica_id for r in replicas if r.homes is not None and family in r.homes}
+    home_ids = planned or set(home_replicas(family, [r.replica_id for r in replicas], homes))
+    shuffled = list(replicas)
+    rng.shuffle(shuffled)
+    residency = [RESIDENT_DEVICE if adapter_key in r.device_adapters else
+                 RESIDENT_HOST if adapter_key in r.host_adapters else RESIDENT_NONE for r in shuffled]
+    order = rank_replicas(residency, [r.replica_id in home_ids for r in shuffled], [r.queue_len for r in shuffled],
+                          cfg.load_bound, cfg.load_bound_floor, full=[is_saturated(r, cfg) for r in shuffled])
+    return [[shuffled[i].replica_id] for i in order]
 
 
 def rank_for_base(replicas: Sequence[ReplicaState], rng: Optional[random.Random] = None) -> list[list[str]]:
@@ -144,3 +141,22 @@ def rank_for_base(replicas: Sequence[ReplicaState], rng: Optional[random.Random]
         picked = rng.sample(list(replicas), 2)
     picked.sort(key=lambda r: r.queue_len)
     return [[r.replica_id for r in picked]] if picked else []
+
+
+def rank_replicas(residency: Sequence[int], is_home: Sequence[bool], loads: Sequence[int], load_bound: float,
+                  load_bound_floor: int = 2, full: Optional[Sequence[bool]] = None) -> list[int]:
+    """Replica indices, best first, for one request for an adapter (the placement-aware score).
+
+    residency[i] is `RESIDENT_DEVICE` > `RESIDENT_HOST` > `RESIDENT_NONE`; `is_home[i]` says
+    whether the placement made replica i a home of the adapter; `loads[i]` is requests in
+    flight. Bounded load: replica i is over the bound when loads[i] + 1 > max(load_bound_floor,
+    ceil(load_bound * (sum(loads) + 1) / n)) or `full[i]`; those go last, so one hot adapter
+    cannot push a replica past its share while others have room. Within each group:
+    residency, then home, then load.
+    """
+    n = len(loads)
+    if n == 0:
+        return []
+    bound = max(load_bound_floor, math.ceil(load_bound * (sum(loads) + 1) / n))
+    over = [loads[i] >= bound or (full is not None and full[i]) for i in range(n)]
+    return sorted(range(n), key=lambda i: (over[i], -residency[i], not is_home[i], loads[i]))

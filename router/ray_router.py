@@ -29,6 +29,7 @@ def replica_state(replica: RunningReplica, queue_len: Optional[int], believed: f
     stats: dict[str, Any] = replica.routing_stats or {}
     device = frozenset(stats.get("device_adapters", ())) | believed
     host = frozenset(stats.get("host_adapters", ())) | frozenset(replica.multiplexed_model_ids)
+    homes = stats.get("homes")
     return ReplicaState(
         replica_id=replica.replica_id.unique_id,
         queue_len=int(queue_len if queue_len is not None else stats.get("num_ongoing", 0)),
@@ -36,11 +37,13 @@ def replica_state(replica: RunningReplica, queue_len: Optional[int], believed: f
         device_adapters=device,
         host_adapters=host,
         free_kv_blocks=stats.get("free_kv_blocks"),
+        homes=None if homes is None else frozenset(homes),
     )
 
 
 class AffinityRouter(RequestRouter):
-    """Adapter-affinity routing: resident > rendezvous homes > least loaded; base by 2 choices."""
+    """Adapter-affinity routing: bounded load, then resident (device > host) > placement homes >
+    least loaded; base-model requests by 2 choices."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._cfg = AffinityConfig(**kwargs)

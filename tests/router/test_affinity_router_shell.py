@@ -62,8 +62,8 @@ def test_reported_residency_and_multiplex_ids_count():
     reps = [FakeReplica("a"), FakeReplica("b", routing_stats={"device_adapters": ["x@1"], "host_adapters": ["x@1"],
                                                              "reported_at": 1.0}),
             FakeReplica("c", multiplexed_model_ids={"x@1"})]
-    first = {r.uid for r in choose(router, reps, pending("x@1"))[0]}
-    assert {"b", "c"} <= first
+    tiers = choose(router, reps, pending("x@1"))
+    assert [t[0].uid for t in tiers] == ["b", "c", "a"]  # device > host (multiplexed id) > none
 
 
 def test_report_newer_than_assignment_that_omits_adapter_wins():

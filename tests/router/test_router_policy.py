@@ -17,8 +17,8 @@ from router.rendezvous import home_replicas
 CFG = AffinityConfig()
 
 
-def rs(rid, q=0, dev=(), host=(), mx=8, free=None):
-    return ReplicaState(rid, q, mx, frozenset(dev), frozenset(host), free)
+def rs(rid, q=0, dev=(), host=(), mx=8, free=None, homes=None):
+    return ReplicaState(rid, q, mx, frozenset(dev), frozenset(host), free, None if homes is None else frozenset(homes))
 
 
 @pytest.mark.parametrize(
@@ -63,13 +63,21 @@ def test_cold_adapter_stays_where_it_lives_even_when_that_replica_is_busier():
     assert sorted(sum(tiers, [])) == ["r0", "r1", "r2"]
 
 
-def test_hot_adapter_ranks_holders_and_homes_together():
+def test_residency_before_homes_for_a_hot_adapter():
     ids = ["r0", "r1", "r2", "r3"]
     homes = home_replicas("x", ids, 2)
     holder = next(i for i in ids if i not in homes)
     reps = [rs(i, q=1, host=["x"] if i == holder else []) for i in ids]
     tiers = rank_for_adapter("x", reps, 2, CFG)
-    assert set(tiers[0]) == set(homes) | {holder}
+    assert tiers[0] == [holder]  # already there: no load
+    assert set(tiers[1] + tiers[2]) == set(homes)
+
+
+def test_planned_homes_reported_by_replicas_win_over_rendezvous():
+    ids = ["r0", "r1", "r2", "r3"]
+    planned = next(i for i in ids if i not in home_replicas("x", ids, 1))
+    reps = [rs(i, q=0, homes={"x"} if i == planned else set()) for i in ids]
+    assert rank_for_adapter("x@2", reps, 1, CFG)[0] == [planned]
 
 
 def test_cold_new_adapter_goes_to_its_home():
@@ -96,8 +104,16 @@ def test_spills_when_preferred_saturated():
     others = [r for r in ["r0", "r1", "r2"] if r != home]
     reps = [rs(home, q=7, dev=["x"]), rs(others[0], q=2), rs(others[1], q=1)]
     tiers = rank_for_adapter("x", reps, 1, CFG)
-    assert tiers[0] == [others[1], others[0]]  # spill tier, least loaded first
-    assert tiers[1] == [home]  # saturated preferred still beats nothing
+    assert tiers[:2] == [[others[1]], [others[0]]]  # spill, least loaded first
+    assert tiers[2] == [home]  # saturated preferred still beats nothing
+
+
+def test_bounded_load_spills_a_hot_holder_far_above_the_mean():
+    reps = [rs("r0", q=12, mx=32, dev=["x"]), rs("r1", q=1, mx=32), rs("r2", q=0, mx=32)]
+    # bound = max(4, ceil(1.6 * 14 / 3)) = 8: r0 is over it, though far from saturated
+    assert rank_for_adapter("x", reps, 1, CFG)[-1] == ["r0"]
+    reps[0] = rs("r0", q=3, mx=32, dev=["x"])  # bound max(4, ceil(1.6 * 5 / 3)) = 4
+    assert rank_for_adapter("x", reps, 1, CFG)[0] == ["r0"]
 
 
 def test_spill_prefers_replicas_holding_it_in_host_memory_on_tie():

@@ -1,0 +1,106 @@
+"""The placement controller on Serve, and the ingress's side of it.
+
+`PlacementControllerDeployment` (one replica: the single writer) wraps
+`router.controller.PlacementController`: ingresses report per-family request counts, LLM
+replicas heartbeat and fetch their share of the plan, and it re-plans every `period_s`.
+`PlacementReporter` lives in each ingress: it counts requests by adapter family, sends the
+counts once a period, and keeps the latest view for `GET {admin_prefix}/v1/placement` and the
+`loraserve_adapter_tier` gauge in `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Any, Optional
+
+from ray import serve
+
+from router.controller import PlacementController, PlacementView
+from router.placement import TIER_NAMES, PlacementConfig
+
+__all__ = ["PlacementControllerDeployment", "PlacementReporter", "replica_share"]
+
+logger = logging.getLogger(__name__)
+
+
+def replica_share(view: PlacementView, replica_id: str) -> dict[str, Any]:
+    """What one replica acts on: the plan version and family -> tier of everything homed on it
+    (cold homes too: they rank above copies homed elsewhere when it evicts)."""
+    return {"version": view.version,
+            "tiers": {name: a["tier"] for name, a in view.adapters.items() if replica_id in a["homes"]}}
+
+
+@serve.deployment(name="PlacementController", num_replicas=1, max_ongoing_requests=1000)
+class PlacementControllerDeployment:
+    async def __init__(self, placement: dict[str, Any], device_slots: int, host_slots: int, period_s: float = 1.0,
+                       replica_ttl_s: float = 10.0):
+        self.controller = PlacementController(PlacementConfig(**placement), device_slots, host_slots,
+                                              replica_ttl_s=replica_ttl_s)
+        self.period_s = period_s
+        self.controller.plan()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                self.controller.plan()
+            except Exception:  # noqa: BLE001 - keep the last plan; try again next period
+                logger.exception("placement plan failed")
+
+    async def report(self, counts: dict[str, float]) -> None:
+        self.controller.report(counts)
+
+    async def sync(self, replica_id: str) -> dict[str, Any]:
+        """A replica's heartbeat; -> its share of the current plan."""
+        known = replica_id in self.controller.live_replicas()
+        self.controller.heartbeat(replica_id)
+        if not known:  # a new replica: plan now rather than a period later
+            self.controller.plan()
+        return replica_share(self.controller.view, replica_id)
+
+    async def view(self) -> dict[str, Any]:
+        return self.controller.view.to_json()
+
+
+class PlacementReporter:
+    """Ingress side: count requests per adapter family, report them, keep the latest view."""
+
+    def __init__(self, handle: Any, period_s: float = 1.0):
+        self._handle, self.period_s = handle, period_s
+        self._counts: Counter[str] = Counter()
+        self.view: Optional[dict[str, Any]] = None
+        self._task: Optional[asyncio.Task] = None
+
+    def count(self, family: str) -> None:
+        self._counts[family] += 1
+        self._ensure_loop()
+
+    async def refresh(self) -> dict[str, Any]:
+        self._ensure_loop()
+        self.view = await self._handle.view.remote()
+        return self.view
+
+    def _ensure_loop(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            counts, self._counts = dict(self._counts), Counter()
+            try:
+                if counts:
+                    await self._handle.report.remote(counts)
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - placement is advisory; serving goes on
+                logger.warning("placement report failed", exc_info=True)
+                self._counts.update(counts)
+
+    def tiers(self) -> dict[str, int]:
+        """adapter family -> tier number (0 pinned, 1 warm, 2 cold) of the latest view."""
+        if not self.view:
+            return {}
+        return {name: TIER_NAMES.index(a["tier"]) for name, a in self.view["adapters"].items()}
