@@ -20,6 +20,7 @@ from engine_ext.lora_adapter import AdapterError
 from tiny_models import build_model, hf_oracle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+pytest.importorskip("pydantic", reason="the registry half of the comparison needs the serving dependencies")
 from registry import RegistryValidationError  # noqa: E402
 from registry.base_model import spec_from_config  # noqa: E402
 from registry.validation import validate_adapter  # noqa: E402
