@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import responses as R
 from deployments.adapter_cache import adapter_key
-from deployments.errors import APIError, BodyLimit, error_body
+from deployments.errors import APIError, BodyLimit
 from deployments.metrics import CONTENT_TYPE, ServingMetrics
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
 from deployments.protocol import GenerateRequest

@@ -5,7 +5,7 @@ off for the request: its token comes from the verify pass)."""
 import pytest
 
 import test_speculative_sampling as chi
-from engine_ext import SamplingParams, SpecConfig
+from engine_ext import SamplingParams
 
 
 @pytest.mark.parametrize("extra,drafts", [(dict(min_p=0.12), True),

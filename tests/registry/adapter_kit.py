@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -62,3 +65,32 @@ def upload_dir(endpoint: str, directory: Path, bucket: str = INCOMING_BUCKET, pr
     for p in directory.iterdir():
         s3.upload_file(str(p), bucket, f"{key}/{p.name}")
     return f"s3://{bucket}/{key}"
+
+
+# A standalone control plane: the registry's app mounted at /admin of a server root, as `serve run` mounts it.
+CONTROL_PLANE = """
+import sys, uvicorn
+from fastapi import FastAPI
+from registry.api import create_app
+root = FastAPI()
+root.mount("/admin", create_app())
+uvicorn.run(root, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def start_control_plane(port: int, cwd: Path, env: dict[str, str], timeout_s: float = 60) -> subprocess.Popen:
+    """Start CONTROL_PLANE on `port` in its own process (settings from `env`) and wait until it answers."""
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-c", CONTROL_PLANE, str(port)], cwd=cwd, env=env)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/admin/healthz", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("control plane did not start")
+        time.sleep(0.1)

@@ -12,25 +12,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from tests.fixtures.services import free_port
-from tests.registry.adapter_kit import TEST_LIMITS
+from tests.registry.adapter_kit import TEST_LIMITS, start_control_plane
 
 REPO = Path(__file__).resolve().parents[2]
-SERVER = """
-import sys, uvicorn
-from fastapi import FastAPI
-from registry.api import create_app
-root = FastAPI()
-root.mount("/admin", create_app())
-uvicorn.run(root, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
-"""
-
-
 def operator_blocks() -> list[str]:
     text = (REPO / "README.md").read_text()
     section = text.split("#### Operating the registry", 1)[1].split("\n### ", 1)[0]
@@ -58,19 +47,10 @@ def test_readme_operator_section_end_to_end(tmp_path, adapter_templates, tiny_ba
             **{k.upper(): str(v) for k, v in TEST_LIMITS.items()}}
     port = free_port()
     # Default settings but one: no grace period for blobs, so the deletes' blob removal shows at once.
-    server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], cwd=home,
-                              env=env | {"REGISTRY_ADMIN_TOKEN": "loraserve-admin-dev", "BLOB_GC_GRACE_S": "0"})
+    server = start_control_plane(port, home, env | {"REGISTRY_ADMIN_TOKEN": "loraserve-admin-dev",
+                                                    "BLOB_GC_GRACE_S": "0"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/admin/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, "control plane did not start"
-            time.sleep(0.1)
         script = "\n".join(blocks).replace("http://127.0.0.1:8000", url)
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env, capture_output=True,
                               text=True, timeout=600)

@@ -9,9 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,19 +16,9 @@ import pytest
 
 from registry.cli import main
 from tests.fixtures.services import free_port
-from tests.registry.adapter_kit import BASE, TEST_LIMITS, sha_map
+from tests.registry.adapter_kit import BASE, TEST_LIMITS, sha_map, start_control_plane
 
 REPO = Path(__file__).resolve().parents[2]
-SERVER = """
-import sys, uvicorn
-from fastapi import FastAPI
-from registry.api import create_app
-root = FastAPI()
-root.mount("/admin", create_app())
-uvicorn.run(root, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
-"""
-
-
 @pytest.fixture
 def remote(tmp_path):
     """-> (server root URL, server directory). The server process is stopped at teardown."""
@@ -44,18 +31,9 @@ def remote(tmp_path):
     for k in ("REDIS_URL", "S3_BUCKET", "REGISTRY_TOKENS"):
         env.pop(k, None)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], cwd=home, env=env)
+    proc = start_control_plane(port, home, env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/admin/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "control plane did not start"
-            time.sleep(0.1)
         yield url, home
     finally:
         proc.terminate()
