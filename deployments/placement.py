@@ -32,7 +32,9 @@ def replica_share(view: PlacementView, replica_id: str) -> dict[str, Any]:
             "tiers": {name: a["tier"] for name, a in view.adapters.items() if replica_id in a["homes"]}}
 
 
-@serve.deployment(name="PlacementController", num_replicas=1, max_ongoing_requests=1000)
+# No access log: every ingress and replica reports here each second, which would flood `serve run`'s output.
+@serve.deployment(name="PlacementController", num_replicas=1, max_ongoing_requests=1000,
+                  logging_config={"enable_access_log": False})
 class PlacementControllerDeployment:
     async def __init__(self, placement: dict[str, Any], device_slots: int, host_slots: int, period_s: float = 1.0,
                        replica_ttl_s: float = 10.0):
