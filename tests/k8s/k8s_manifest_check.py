@@ -21,10 +21,9 @@ import jsonschema
 import yaml
 
 CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
-# ../shared/k8s-schemas next to the checkout, unless K8S_SCHEMA_DIR says otherwise.
-DEFAULT_SCHEMA_DIR = Path(
-    os.environ.get("K8S_SCHEMA_DIR") or Path(__file__).resolve().parents[3] / "shared" / "k8s-schemas"
-)
+# The KubeRay CRDs vendored beside this file (schemas/SOURCE.txt: origin, commit, license, hashes), unless
+# K8S_SCHEMA_DIR names other ones.
+DEFAULT_SCHEMA_DIR = Path(os.environ.get("K8S_SCHEMA_DIR") or Path(__file__).resolve().parent / "schemas")
 
 
 def close_objects(schema: Any) -> Any:
