@@ -363,8 +363,11 @@ class LLMServer:
             yield error_chunk(400, "invalid_request", str(e))
             return
         rid = req.request_id
+        ids_of = (lambda i: rid) if len(choices) == 1 else (lambda i: f"{rid}/{i}")  # noqa: E731
+        # The n samples of one prompt are consecutive choices: each after the first reuses the first's prompt KV.
         streams = [self.engine.generate(None, prompt_token_ids=ids, sampling_params=params, adapter_name=req.adapter_key,
-                                        request_id=rid if len(choices) == 1 else f"{rid}/{i}")
+                                        request_id=ids_of(i), share_prompt_with=ids_of(i - i % req.n) if i % req.n
+                                        else None)
                    for i, (ids, params) in enumerate(choices)]
         firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
         failed = next((e for e in firsts if isinstance(e, BaseException)), None)

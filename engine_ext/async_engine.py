@@ -72,7 +72,10 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------ public API
     async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
                        sampling_params: SamplingParams | None = None, adapter_name: str | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, share_prompt_with: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; `share_prompt_with`: see LLMEngine.add_request (requests are added in
+        the order their generators start)."""
         request_id = request_id or f"areq-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
@@ -81,7 +84,8 @@ class AsyncLLMEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, prompt_token_ids, sampling_params, adapter_name)
+                self.engine.add_request(request_id, prompt, prompt_token_ids, sampling_params, adapter_name,
+                                        share_prompt_with)
                 loop.call_soon_threadsafe(added.set_result, None)
             except Exception as e:
                 loop.call_soon_threadsafe(added.set_exception, e)

@@ -11,12 +11,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     """Predicate/action pairs: `can_allocate`/`allocate` reserve room for a sequence's tokens,
-    `free` returns every block, `truncate` returns the blocks past a length (speculative rollback)."""
+    `free` returns every block, `truncate` returns the blocks past a length (speculative rollback), `share`
+    gives another sequence the leading blocks of a table (a prompt's KV, read and never written again): a
+    shared block goes back to the free list when its last holder lets it go."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
+        self._extra_refs: dict[int, int] = {}  # block -> holders beyond the first (shared blocks only)
         self.peak_used = 0  # high-water mark, for memory tests and stats
 
     @property
@@ -37,10 +40,23 @@ class BlockManager:
         block_table.extend(self._free.popleft() for _ in range(need))
         self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
 
+    def share(self, source: list[int], num_blocks: int, block_table: list[int]) -> None:
+        """Append the first `num_blocks` blocks of `source` to an empty `block_table`, held by both."""
+        if block_table or num_blocks > len(source):
+            raise ValueError("share fills an empty table from blocks the source holds")
+        for block in source[:num_blocks]:
+            self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
+            block_table.append(block)
+
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
         keep = blocks_for(num_tokens, self.block_size)
         while len(block_table) > keep:
-            self._free.appendleft(block_table.pop())
+            block = block_table.pop()
+            refs = self._extra_refs.pop(block, 0)
+            if refs > 1:
+                self._extra_refs[block] = refs - 1
+            elif refs == 0:
+                self._free.appendleft(block)
 
     def free(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)

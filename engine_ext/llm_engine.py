@@ -87,7 +87,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None,
-                    adapter_name: str | None = None) -> str:
+                    adapter_name: str | None = None, share_prompt_with: str | None = None) -> str:
+        """`share_prompt_with`: the id of a request in flight with the same prompt and adapter (another sample of
+        one API request): this one reuses its prompt's KV blocks instead of computing them again. Ignored when
+        that request is gone or differs."""
         params = sampling_params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
@@ -112,6 +115,9 @@ class LLMEngine:
         if adapter_name is not None and not self.adapters.known(adapter_name):
             raise AdapterError(adapter_name, "unknown adapter (add it with add_adapter first)")
         seq = Sequence(request_id, prompt_token_ids, params, adapter_name)
+        source = self.seqs.get(share_prompt_with) if share_prompt_with is not None else None
+        if source is not None and source.prompt_token_ids == prompt_token_ids and source.adapter == adapter_name:
+            seq.prompt_source = source
         if params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
         self.seqs[request_id] = seq

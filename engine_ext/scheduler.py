@@ -75,6 +75,24 @@ class Scheduler:
         self.blocks.allocate(seq.block_table, num_tokens)
         return True
 
+    def _share_prompt(self, seq: Sequence) -> bool:
+        """Take over the full blocks of the prompt KV that `seq.prompt_source` (same prompt, same adapter) has
+        computed, so only the rest of the prompt is computed for `seq`. False while the source's prompt is not
+        computed yet (the caller admits `seq` after it); True once shared, or when there is nothing to share
+        (the source finished), then `seq` computes its prompt itself. The last prompt token is always computed
+        (its logits start the output), and shared blocks are full, so no holder writes into them again."""
+        source = seq.prompt_source
+        if source.finished:
+            seq.prompt_source = None
+            return True
+        if source.status is not SeqStatus.RUNNING or source.num_computed == 0:
+            return False
+        shared = min(source.num_computed, len(seq.prompt_token_ids) - 1) // self.blocks.block_size
+        if shared:
+            self.blocks.share(source.block_table, shared, seq.block_table)
+            seq.num_computed = shared * self.blocks.block_size
+        return True
+
     def schedule(self, lookahead: int = 0) -> ScheduledBatch:
         """`lookahead`: extra positions to reserve per running sequence (speculative drafts)."""
         batch = ScheduledBatch()
@@ -92,6 +110,9 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.prompt_source is not None and not seq.block_table and not self._share_prompt(seq):
+                skipped.append(self.waiting.popleft())  # its source's prompt KV is not written yet
+                continue
             need = seq.num_tokens - seq.num_computed
             if need > budget and batch.seqs:
                 break

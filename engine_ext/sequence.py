@@ -47,6 +47,9 @@ class Sequence:
     logits: list[torch.Tensor] = field(default_factory=list)  # only with params.return_logits
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # only with params.logprobs
     arrival: int = field(default_factory=lambda: next(_arrival))
+    # A sequence with the same prompt and adapter (another sample of one request) whose prompt KV blocks this
+    # one takes over at admission instead of computing them again (Scheduler._share_prompt).
+    prompt_source: Sequence | None = field(default=None, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
