@@ -137,6 +137,7 @@ class ModelRunner:
         if self.graphs is None:
             shapes = [(b, b) for b in graph_buckets(self.config.max_graph_tokens)] + shapes
         max_len = self.max_positions - 1
+        peak = blocks.peak_used  # the warm-up's blocks are no request's: they stay out of the high-water mark
         for tokens, seqs in shapes:
             seqs = max(seqs, -(-tokens // max_len))
             if tokens > max_num_batched_tokens or seqs > tokens:
@@ -155,6 +156,7 @@ class ModelRunner:
             finally:
                 for table in tables:
                     blocks.free(table)
+        blocks.peak_used = peak
         torch.cuda.synchronize(self.device)
         out["eager_warmup_s"] = time.perf_counter() - start
         return out
