@@ -36,6 +36,8 @@ def bind_app(cfg: AppConfig):
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         request_router_config=router,
+        health_check_period_s=cfg.health_check_period_s,
+        health_check_timeout_s=cfg.health_check_timeout_s,
         ray_actor_options={
             "num_cpus": cfg.num_cpus_per_replica,
             "num_gpus": cfg.num_gpus_per_replica,

@@ -71,6 +71,10 @@ class AppConfig(BaseModel):
         True, description="replicas push their adapter ids to Serve's controller on every load (both routers see it)"
     )
     routing_stats_period_s: float = Field(1.0, gt=0)
+    # How often Serve checks each LLM replica, and how long a check may take: a replica that died is noticed
+    # (and replaced) within about one period, not Serve's default 10 s.
+    health_check_period_s: float = Field(2.0, gt=0)
+    health_check_timeout_s: float = Field(10.0, gt=0)
 
     # --- tenants, limits, control plane ----------------------------------------------
     api_keys: dict[str, str] = Field(
