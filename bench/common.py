@@ -113,12 +113,19 @@ def measure_decode(engine, prompts: list[list[int]], adapters: list[str | None],
     finally:
         gc.callbacks.remove(on_gc)
     elapsed = time.perf_counter() - start
-    step_times.sort()
-    pct = lambda q: step_times[min(len(step_times) - 1, int(q * len(step_times)))] if step_times else None
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else None,
-            "steps": len(step_times), "step_ms_p50": pct(0.5) * 1e3, "step_ms_p99": pct(0.99) * 1e3,
+            "steps": len(step_times), "step_ms_p50": percentile(step_times, 0.5) * 1e3,
+            "step_ms_p99": percentile(step_times, 0.99) * 1e3,
             "gc_passes": len(collections), "gc_ms": sum(t for _, t in collections) * 1e3,
             "gc_full_passes": sum(gen == 2 for gen, _ in collections)}
+
+
+def percentile(values, q: float) -> float | None:
+    """The nearest-rank q-quantile of `values` (None when empty)."""
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def machine() -> str:

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (  # noqa: E402
-    SHAPES, build_random_adapter, build_random_model, machine, measure_decode, replay_ms)
+    SHAPES, build_random_adapter, build_random_model, machine, measure_decode, percentile, replay_ms)
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
 from engine_ext.batch import SeqWork  # noqa: E402
 from engine_ext.speculative import Speculator  # noqa: E402
@@ -141,10 +141,6 @@ def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, ba
     real_bytes = 2 * rank * spec.num_layers * sum(i + o for i, o in spec.module_shapes().values())
     packed = adapters.add("cold", os.path.join(workdir, f"{shape}-r{rank}"))  # parsed, packed and pinned
 
-    def pct(xs, q):
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
-
     issue_ms, load_ms = [], []
     for _ in range(repeats + 1):  # the first is a warm-up
         slots.deactivate("cold")
@@ -169,9 +165,9 @@ def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, ba
         torch.cuda.synchronize()
         copy_ms.append((time.perf_counter() - t0) * 1e3)
     del host, dev
-    load, copy = pct(load_ms[1:], 0.5), pct(copy_ms[1:], 0.5)
+    load, copy = percentile(load_ms[1:], 0.5), percentile(copy_ms[1:], 0.5)
     out = {"adapter_bytes": real_bytes, "packed_bytes": packed.nbytes, "load_repeats": repeats,
-           "h2d_copy_ms": copy, "load_ms": load, "load_issue_ms": pct(issue_ms[1:], 0.5),
+           "h2d_copy_ms": copy, "load_ms": load, "load_issue_ms": percentile(issue_ms[1:], 0.5),
            "load_over_h2d": load / copy}
 
     # (ii) batch of warm-adapter decodes, a cold load issued before every `every`-th step
@@ -209,9 +205,9 @@ def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, ba
     adapters.remove("cold")
     out |= {"itl_batch": batch, "itl_warm_adapters": len(warm), "itl_steps_quiet": len(quiet),
             "itl_steps_loading": len(loading), "itl_loads_landed_within_their_step": landed_in_step,
-            "itl_ms_p50_quiet": pct(quiet, 0.5), "itl_ms_max_quiet": max(quiet),
-            "itl_ms_p50_loading": pct(loading, 0.5), "itl_ms_max_loading": max(loading),
-            "itl_rise_p50": pct(loading, 0.5) / pct(quiet, 0.5) - 1,
+            "itl_ms_p50_quiet": percentile(quiet, 0.5), "itl_ms_max_quiet": max(quiet),
+            "itl_ms_p50_loading": percentile(loading, 0.5), "itl_ms_max_loading": max(loading),
+            "itl_rise_p50": percentile(loading, 0.5) / percentile(quiet, 0.5) - 1,
             "itl_rise_max": max(loading) / max(quiet) - 1}
     return out
 

@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import percentile  # noqa: E402
 from bench.traffic import Request, TrafficConfig, generate  # noqa: E402
 
 
@@ -135,13 +136,6 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
     return [records[r.request_id] for r in requests]
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def summarize(records: list[Record], seconds: float) -> dict:
     done = [r for r in records if r.finish_reason not in (None, "error")]
     ttft = [r.ttft for r in done if r.ttft is not None]
@@ -156,9 +150,9 @@ def summarize(records: list[Record], seconds: float) -> dict:
         "requests": len(records), "finished": len(done), "finish_reasons": reasons,
         "errors": [r.error for r in records if r.error][:5], "seconds": round(seconds, 2),
         "output_tokens": tokens, "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
-        "ttft_ms": {"p50": ms(_pct(ttft, 0.5)), "p99": ms(_pct(ttft, 0.99)), "max": ms(max(ttft, default=None))},
-        "tpot_ms": {"p50": ms(_pct(tpot, 0.5)), "p99": ms(_pct(tpot, 0.99))},
-        "itl_p99_ms": ms(_pct(gaps, 0.99)),
+        "ttft_ms": {"p50": ms(percentile(ttft, 0.5)), "p99": ms(percentile(ttft, 0.99)), "max": ms(max(ttft, default=None))},
+        "tpot_ms": {"p50": ms(percentile(tpot, 0.5)), "p99": ms(percentile(tpot, 0.99))},
+        "itl_p99_ms": ms(percentile(gaps, 0.99)),
     }
 
 
@@ -241,11 +235,11 @@ def main() -> None:
         engine.add_adapter(n, p)
     ready_entries = _cache_entries(args.compile_cache)
     sync = (lambda: torch.cuda.synchronize()) if gpu else (lambda: None)
-    print("startup", json.dumps(engine.stats()["startup"]), "cache entries", before, "->", ready_entries,
-          file=sys.stderr)
+    startup = engine.stats()["startup"]
+    print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
     result = {"machine": machine(), "shape": args.shape, "spec": args.spec, "gate": not args.no_gate,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
-              "startup": engine.stats()["startup"], "cache_entries_before": before,
+              "startup": startup, "cache_entries_before": before,
               "cache_entries_ready": ready_entries, "runs": []}
     vocab = SHAPES[args.shape][5]
     for i, run_spec in enumerate(args.runs):
