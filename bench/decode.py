@@ -33,7 +33,6 @@ from bench.common import (  # noqa: E402
     SHAPES, build_random_adapter, build_random_model, machine, measure_decode, percentile, replay_ms)
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
 from engine_ext.batch import SeqWork  # noqa: E402
-from engine_ext.speculative import Speculator  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy rate on this H200 (KINDS.md)
 CONTEXT = 512  # tokens already in each sequence's cache for the forward-level points
@@ -173,7 +172,7 @@ def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, ba
     # (ii) batch of warm-adapter decodes, a cold load issued before every `every`-th step
     warm = [f"a{i}" for i in range(min(batch, slots.max_loras - 1))]  # one slot left for the cold adapter
     names = [warm[i % len(warm)] for i in range(batch)]
-    saved, engine.speculator = engine.speculator, None
+    engine.set_speculation(None)
     activate(engine, warm)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps + 16, ignore_eos=True)
@@ -199,7 +198,6 @@ def cold_load(engine, workdir: str, shape: str, rank: int, repeats: int = 20, ba
         engine.abort_request(rid)
     while engine.has_unfinished_requests:
         engine.step()
-    engine.speculator = saved
     slots.synchronize()
     slots.deactivate("cold")
     adapters.remove("cold")
@@ -234,34 +232,33 @@ def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_r
 def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | None], gen: int, prompt_len: int,
                 warm: bool = False):
     """Decode through LLMEngine.step(); `spec` None: plain multi-LoRA (or base-only when names are None).
-    `warm`: the speculator first serves one unmeasured window of the same mix, as a long-running server's
-    speculator has (its gate keeps pass times and per-adapter acceptance for the engine's lifetime)."""
+    `warm`: the gate first serves one unmeasured window of the same mix, as a long-running server's
+    gate has (it keeps pass times and per-adapter acceptance for the engine's lifetime)."""
     # One engine serves every mode so the model loads and the graphs are captured once; the mode is
-    # the speculator the step loop drives (None: plain steps).
-    engine.speculator = Speculator(engine, spec) if spec is not None else None
+    # the engine's speculation setting (None: plain steps), each with a fresh gate.
+    engine.set_speculation(spec)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(10, min(100000, engine.spec.vocab_size), (prompt_len,), generator=g).tolist()
                for _ in range(batch)]
-    before, passes_before, counts = Counter(), Counter(), {}
     if warm and spec is not None:
         measure_decode(engine, prompts, names, gen, SamplingParams)
-        before = Counter(engine.speculator.gate.decisions)
-        passes_before = Counter(engine.speculator.cycle_passes)
-        counts = {n: (a.drafted, a.accepted) for n, a in engine.speculator.gate.acceptance.items()}
+    before = engine.stats()
     out = measure_decode(engine, prompts, names, gen, SamplingParams)
     if spec is not None:
+        after = engine.stats()
         drafted = accepted = 0
-        for n, acc in engine.speculator.gate.acceptance.items():
-            d0, a0 = counts.get(n, (0, 0))
-            drafted, accepted = drafted + acc.drafted - d0, accepted + acc.accepted - a0
+        for n, a in after["adapters"].items():
+            b = before["adapters"].get(n, {})
+            drafted += a["drafted_tokens"] - b.get("drafted_tokens", 0)
+            accepted += a["accepted_tokens"] - b.get("accepted_tokens", 0)
         out["acceptance"] = accepted / drafted if drafted else None
-        out["gate_decisions"] = dict(Counter(engine.speculator.gate.decisions) - before)
-        out["cycle_passes"] = {str(m): n for m, n in sorted((engine.speculator.cycle_passes - passes_before).items())}
-        if out["gate_decisions"].get("plain_cost"):  # the cost model's numbers behind them
-            out["plain_cost_why"] = list(engine.speculator.gate.recent_plain_cost)
+        spec_before, spec_after = before["speculative"], after["speculative"]
+        out["gate_decisions"] = dict(Counter(spec_after["gate_decisions"]) - Counter(spec_before["gate_decisions"]))
+        passes = Counter(spec_after["cycle_passes"]) - Counter(spec_before["cycle_passes"])
+        out["cycle_passes"] = {str(m): n for m, n in sorted(passes.items())}
     out["itl_ms_p50"] = out["step_ms_p50"]
     out["itl_ms_p99"] = out["step_ms_p99"]
-    engine.speculator = None
+    engine.set_speculation(None)
     return out
 
 
@@ -454,7 +451,7 @@ def engine_points(engine, tag, max_distinct, args, results, dump) -> None:
     modes = [m for m in modes if m[0] != "base" or rank == args.ranks[0]]
     # --repeats: every mode's window again, in rounds (slow drift of the machine reaches every mode alike);
     # each mode reports the round with the median tokens/s (and every round's, tokens_per_s_runs). A gated
-    # mode starts a new speculator every round: a cold gate is cold in each.
+    # mode starts a fresh gate every round: a cold gate is cold in each.
     runs: dict[str, list[dict]] = {}
     for rnd in range(args.repeats):
         # a new order every round: a mode never always follows the same one (a heavy forced mode before a gated

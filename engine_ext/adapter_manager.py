@@ -8,34 +8,25 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from .adapter_slots import AdapterSlots, PackedAdapter, pack_adapter
 from .lora_adapter import AdapterError, load_lora_adapter
 from .model_config import ModelSpec
-
-
-@dataclass
-class AdapterCounters:
-    requests: int = 0
-    tokens: int = 0
-    loads: int = 0  # copies into a device slot
-    hits: int = 0  # requests that found the adapter already in a slot
-    disk_loads: int = 0
+from .stats import EngineStats
 
 
 class AdapterManager:
     def __init__(self, spec: ModelSpec, model_dir: str, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, stats: EngineStats | None = None):
         self.spec, self.model_dir, self.max_rank = spec, model_dir, max_rank
         self.dtype, self.device = dtype, device
         self.max_cpu_loras = max_cpu_loras
         self.slots = AdapterSlots(spec, max_loras, max_rank, dtype, device)
         self.paths: dict[str, str] = {}
         self.pinned: set[str] = set()
-        self.counters: dict[str, AdapterCounters] = {}
+        self.stats = stats or EngineStats()  # loads and disk loads per adapter (the engine's stats object)
         self._host: OrderedDict[str, PackedAdapter] = OrderedDict()
         self._loading: dict[str, Future] = {}
         self._lock = threading.Lock()
@@ -55,7 +46,7 @@ class AdapterManager:
         packed = self._parse(name, path)
         with self._lock:
             self.paths[name] = path
-            self.counters.setdefault(name, AdapterCounters())
+            self.stats.adapter(name)
             if pinned:
                 self.pinned.add(name)
             self._put_host(packed)
@@ -94,11 +85,7 @@ class AdapterManager:
 
     # ------------------------------------------------------------ step loop
     def slot_of(self, name: str | None) -> int:
-        if name is None:
-            return self.slots.zero_slot
-        slot = self.slots.slot_of(name)
-        assert slot is not None, f"adapter {name!r} is not in a device slot"
-        return slot
+        return self.slots.lora_slot(name)
 
     def try_activate(self, name: str, busy: set[str]) -> bool:
         """Put `name` in a slot if possible now. False: not yet (slots busy, or parsing in background).
@@ -117,7 +104,7 @@ class AdapterManager:
         if packed is None:
             return False
         self.slots.activate(packed, busy | self.pinned)
-        self.counters[name].loads += 1
+        self.stats.adapter(name).loads += 1
         return True
 
     def ready(self, name: str) -> bool:
@@ -130,7 +117,7 @@ class AdapterManager:
             with self._lock:
                 if name in self.paths:
                     self._put_host(packed)
-                    self.counters[name].disk_loads += 1
+                    self.stats.adapter(name).disk_loads += 1
         finally:
             with self._lock:
                 self._loading.pop(name, None)

@@ -193,6 +193,14 @@ class AdapterSlots:
         except ValueError:
             return None
 
+    def lora_slot(self, name: str | None) -> int:
+        """The slot a forward reads for a sequence on adapter `name` (None: the base model's zero slot)."""
+        if name is None:
+            return self.zero_slot
+        slot = self.slot_of(name)
+        assert slot is not None, f"adapter {name!r} is not in a device slot"
+        return slot
+
     @property
     def resident(self) -> list[str]:
         return [n for n in self.table if n is not None]

@@ -1,4 +1,5 @@
-"""The synchronous engine: `step()` = schedule -> run -> postprocess; `generate()` loops over it."""
+"""The synchronous engine: `step()` = schedule -> plan -> plain step or speculative cycle -> emit; `generate()`
+loops over it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import time
 import torch
 
 from .adapter_manager import AdapterManager
-from .batch import SeqWork
 from .block_manager import BlockManager, blocks_for
-from .config import EngineConfig
+from .config import EngineConfig, SpecConfig
 from .lora_adapter import AdapterError
 from .model_config import load_model_spec
 from .model_runner import ModelRunner
@@ -21,6 +21,8 @@ from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
+from .speculation import DraftCycle, Gate, NoSpeculation, Plan, StepResult
+from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +42,15 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.spec = load_model_spec(config.model)
         self.tokenizer = load_tokenizer(config.model)
+        # Derived once: the context limit, and the drafting room past it (a draft may sit `lookahead` beyond)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
-        self.runner = ModelRunner(config, self.spec, self.device)
+        self.lookahead = config.speculative.num_draft_tokens if config.speculative else 0
+        self.runner = ModelRunner(config, self.spec, self.device, max_model_len=self.max_model_len,
+                                  lookahead=self.lookahead)
+        self.counters = EngineStats()
         self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
-                                       config.max_lora_rank, config.torch_dtype, self.device)
+                                       config.max_lora_rank, config.torch_dtype, self.device, self.counters)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.spec.eos_token_ids)
@@ -53,15 +59,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}
-        self.base_counters = {"requests": 0, "tokens": 0}
-        self.num_steps = 0
         self._removals_seen = 0
         self._ids = itertools.count()
-        self.speculator = None
-        if config.speculative is not None:
-            from .speculative import Speculator
-
-            self.speculator = Speculator(self, config.speculative)  # wraps step(); see speculative.py
+        self.set_speculation(config.speculative)
         # Ready only once every kernel the steps can launch is compiled and every CUDA graph captured.
         self.startup = {"load_s": time.perf_counter() - start}
         if config.warmup:
@@ -106,8 +106,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}")
-        lookahead = self.speculator.lookahead if self.speculator else 0
-        if blocks_for(len(prompt_token_ids) + 1 + lookahead, self.config.block_size) > self.blocks.num_blocks:
+        if blocks_for(len(prompt_token_ids) + 1 + self.lookahead, self.config.block_size) > self.blocks.num_blocks:
             raise ValueError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})")
         params.check_vocab(self.spec.vocab_size)
         if params.stop and self.tokenizer is None:
@@ -122,10 +121,7 @@ class LLMEngine:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
-        if adapter_name is None:
-            self.base_counters["requests"] += 1
-        else:
-            self.adapters.counters[adapter_name].requests += 1
+        self.counters.usage(adapter_name).requests += 1
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -142,44 +138,47 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self._fail_orphans()
-        if self.speculator is not None:
-            touched = self.speculator.step()
-        else:
-            touched = self.run_plain(self.scheduler.schedule().seqs)
+        batch = self.scheduler.schedule(lookahead=self.gate.lookahead)
+        plan = self.gate.plan(batch)
+        result = self.cycle.run(plan) if plan.speculate else self._plain_step(plan)
+        self.scheduler.trim(batch)  # drafting room nothing was written to goes back
         self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
-        self.num_steps += 1
-        outputs = self._emit(touched)
-        if self.speculator is not None:  # the gate prices plain steps and cycles by the whole step
-            self.speculator.step_done(time.perf_counter() - start)
+        self.counters.steps += 1
+        outputs = self._emit(batch.seqs)
+        self.gate.observe(plan, result, time.perf_counter() - start)  # priced by the whole step, emitting included
         return outputs
 
-    def run_plain(self, seqs: list[Sequence]) -> list[Sequence]:
+    def _plain_step(self, plan: Plan) -> StepResult:
         """One adapter-on forward over the scheduled sequences; one new token each."""
-        if not seqs:
-            return []
-        logits = self.runner.run([self.work_item(s) for s in seqs], self.adapters.slots)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator, seqs)
-        for seq, token, row in zip(seqs, tokens.tolist(), logits):
-            seq.num_computed = seq.num_tokens
-            self.commit(seq, token, row)
-        return seqs
+        seqs = plan.seqs
+        if seqs:
+            slots = self.adapters.slots
+            logits = self.runner.run([s.work(slots.lora_slot(s.adapter)) for s in seqs], slots)
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator, seqs)
+            for seq, token, row in zip(seqs, tokens.tolist(), logits):
+                seq.num_computed = seq.num_tokens
+                self._commit(seq, token, row)
+        return StepResult()
 
-    def work_item(self, seq: Sequence, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
-        """Compute every position not yet in the cache, plus `extra` tokens appended after them."""
-        return SeqWork(token_ids=seq.token_ids[seq.num_computed :] + list(extra), start=seq.num_computed,
-                       block_table=seq.block_table, lora_slot=self.adapters.slot_of(seq.adapter),
-                       num_logits=num_logits)
-
-    def commit(self, seq: Sequence, token: int, logits: torch.Tensor | None = None) -> bool:
+    def _commit(self, seq: Sequence, token: int, logits: torch.Tensor | None = None) -> bool:
         """Append a final token to a sequence; True if it finished."""
-        if seq.adapter is None:
-            self.base_counters["tokens"] += 1
-        else:
-            self.adapters.counters[seq.adapter].tokens += 1
+        self.counters.usage(seq.adapter).tokens += 1
         if self.outputs.append(seq, token, logits):
             self.scheduler.finish(seq)
             return True
         return False
+
+    def set_speculation(self, spec: SpecConfig | None) -> None:
+        """Switch speculative drafting on (a fresh gate: nothing measured yet) or off (None). Its draft length
+        may not exceed the drafting room the engine was built with (`EngineConfig.speculative`)."""
+        if spec is not None and spec.num_draft_tokens > self.lookahead:
+            raise ValueError(f"num_draft_tokens {spec.num_draft_tokens} exceeds the engine's lookahead "
+                             f"{self.lookahead} (set EngineConfig.speculative)")
+        self.counters.spec = None
+        self.gate = NoSpeculation() if spec is None else Gate(
+            spec, max_model_len=self.max_model_len, capturing=self.runner.capturing, stats=self.counters)
+        self.cycle = None if spec is None else DraftCycle(
+            self.runner, self.adapters.slots, self._commit, self.generator, self.max_model_len, self.counters.spec)
 
     def _fail_orphans(self) -> None:
         """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""
@@ -193,6 +192,7 @@ class LLMEngine:
             self._removals_seen = self.adapters.removals
 
     def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:
+        """Outputs of the sequences this step touched and of those that finished (aborts included)."""
         outs, seen = [], set()
         finished, self.scheduler.finished = self.scheduler.finished, []
         for seq in touched + finished:
@@ -225,25 +225,14 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
-        adapters = {}
-        for name, c in list(self.adapters.counters.items()):
-            entry = dict(vars(c))
-            if self.speculator is not None:
-                entry.update(self.speculator.adapter_stats(name))
-            adapters[name] = entry
-        out = {
+        """The engine's counters (EngineStats) and its gauges, as plain data."""
+        return self.counters.snapshot(self.gate.estimates()) | {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_kv_blocks": self.blocks.num_free,
             "total_kv_blocks": self.blocks.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_steps": self.num_steps,
             "startup": dict(self.startup),  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
             "device_adapters": self.adapters.slots.resident,
             "host_adapters": self.adapters.host_resident,
-            "base": dict(self.base_counters),
-            "adapters": adapters,
         }
-        if self.speculator is not None:
-            out["speculative"] = self.speculator.global_stats()
-        return out

@@ -14,6 +14,8 @@ from .sequence import Sequence, SeqStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_preempted: int = 0
+    lookahead: int = 0  # drafting positions reserved past each sequence's tokens
+    closed: bool = False  # nothing was left waiting: no request can join this batch
 
     @property
     def empty(self) -> bool:
@@ -95,7 +97,7 @@ class Scheduler:
 
     def schedule(self, lookahead: int = 0) -> ScheduledBatch:
         """`lookahead`: extra positions to reserve per running sequence (speculative drafts)."""
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(lookahead=lookahead)
         preempted_before = self.num_preemptions
         for seq in sorted(self.running.values(), key=lambda s: s.arrival):
             if seq.status is SeqStatus.RUNNING:
@@ -132,7 +134,7 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())  # adapter not ready: let requests behind it go first
                     continue
                 self._cold.discard(seq.request_id)
-                self.adapters.counters[seq.adapter].hits += hit
+                self.adapters.stats.adapter(seq.adapter).hits += hit
             self.waiting.popleft()
             self.blocks.allocate(seq.block_table, seq.num_tokens + lookahead)
             seq.status = SeqStatus.RUNNING
@@ -142,4 +144,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         if len(self._cold) > len(self.waiting):  # forget requests that left while waiting (aborted)
             self._cold &= {s.request_id for s in self.waiting}
+        batch.closed = not self.waiting
         return batch
+
+    def trim(self, batch: ScheduledBatch) -> None:
+        """After the step: give back the drafting room (lookahead blocks) nothing was written to."""
+        if batch.lookahead:
+            for seq in batch.seqs:
+                if not seq.finished:
+                    self.blocks.truncate(seq.block_table, seq.num_tokens)

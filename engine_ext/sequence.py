@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .batch import SeqWork
 from .sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -66,6 +67,11 @@ class Sequence:
     @property
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed > 1
+
+    def work(self, lora_slot: int, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
+        """Its share of a forward: every position not yet in the cache, plus `extra` tokens after them."""
+        return SeqWork(token_ids=self.token_ids[self.num_computed :] + list(extra), start=self.num_computed,
+                       block_table=self.block_table, lora_slot=lora_slot, num_logits=num_logits)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from engine_ext import SpecConfig
-from engine_ext.spec_gate import Gate
+from engine_ext.speculation import Gate
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def decode_window(gate: Gate, costs: Costs, acceptance: float | list[float], gen
                   seed: int = 0, noise: float = 0.0) -> float:
     """Tokens per simulated second for `batch` sequences of `gen` tokens, one adapter each (`acceptance`: one for
     all, or each sequence's), driven as
-    Speculator.step drives the gate (but for its plain holds, which skip re-pricing and change no decision; prefill
+    the engine drives the gate (Gate.plan) (but for its plain holds, which skip re-pricing and change no decision; prefill
     steps are not timed or recorded; a plain step at a smaller batch
     costs proportionally less of its per-sequence part)."""
     rnd = random.Random(seed)
@@ -53,7 +53,7 @@ def decode_window(gate: Gate, costs: Costs, acceptance: float | list[float], gen
         if gate.gated_off(adapters):
             gate.count("plain_low_acceptance", "simulated fast path")
         else:
-            remaining = [left[i] for i in live]  # nothing waits: a closed batch, as Speculator.step passes it
+            remaining = [left[i] for i in live]  # nothing waits: a closed batch, as Gate.plan passes it
             lengths = gate.draft_lengths(adapters, caps, len(live), remaining)
             if not gate.decide(adapters, lengths, 0, caps, remaining):
                 lengths = None

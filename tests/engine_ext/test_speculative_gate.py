@@ -6,7 +6,10 @@ import time
 import pytest
 
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
-from engine_ext.spec_gate import AdapterAcceptance, Gate, StepTimes, expected_tokens
+from engine_ext.speculation import Gate
+from engine_ext.speculation.acceptance import AdapterAcceptance, expected_tokens
+from engine_ext.speculation.cost import StepTimes
+from engine_ext.stats import AdapterStats
 from tiny_models import build_adapter, build_model
 
 
@@ -16,11 +19,14 @@ def test_expected_tokens(a, m, expected):
 
 
 def test_acceptance_counts_only_judged_drafts():
-    acc = AdapterAcceptance(ema=0.5)
-    acc.observe(drafted=4, accepted=1, weight=1.0)  # d1 accepted, d2 rejected, d3/d4 never judged
-    assert acc.rate == 0.5 and acc.ema == 0.5
-    acc.observe(drafted=4, accepted=4, weight=1.0)
-    assert acc.rate == 5 / 6 and acc.ema == 1.0
+    acc, stats = AdapterAcceptance(ema=0.5), AdapterStats()
+    for drafted, accepted in ((4, 1), (4, 4)):  # first: d1 accepted, d2 rejected, d3/d4 never judged
+        acc.observe(drafted=drafted, accepted=accepted, weight=1.0)
+        stats.observe_verify(drafted, accepted)
+        if accepted == 1:
+            assert stats.acceptance_rate == 0.5 and acc.ema == 0.5
+    assert stats.acceptance_rate == 5 / 6 and acc.ema == 1.0
+    assert stats.speculative()["draft_efficiency"] == 5 / 8 and stats.speculative()["mean_accepted_length"] == 2.5
 
 
 def test_acceptance_estimate_weighs_every_judged_draft():
@@ -203,7 +209,7 @@ def test_gate_turns_drafting_off_for_far_and_on_for_close_adapters(model, adapte
         for _ in range(4):
             engine.step()
         running = list(engine.scheduler.running.values())
-        assert running and engine.speculator._reserve is False
+        assert running and engine.gate.lookahead == 0
         assert all(len(s.block_table) == -(-s.num_tokens // engine.config.block_size) for s in running)
         while engine.has_unfinished_requests:
             engine.step()
@@ -262,7 +268,7 @@ def test_greedy_cycles_feed_the_per_pass_cost_model(model):
                     adapter_names=["close"] * 4)
     spec = engine.stats()["speculative"]
     assert spec["greedy_cycles"] == spec["cycles"] > 0
-    times = engine.speculator.gate.times
+    times = engine.gate.times
     assert times.get("base", 4, 0, exact=True) > 0  # 4 sequences drafting
     assert times.get("lora", 16, 1, exact=True) > 0  # verify: 4 x (last + 3 drafts)
     overhead = times.get("overhead", 4, 0, exact=True)  # once per cycle, by batch size
@@ -287,7 +293,7 @@ def test_plain_steps_and_cycle_overhead_are_priced_by_the_whole_engine_step(mode
     prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
     engine.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
                     adapter_names=["close"] * 4)
-    times = engine.speculator.gate.times
+    times = engine.gate.times
     plain = [v for (kind, _, _), v in times._t.items() if kind == "plain"]
     overhead = [v for (kind, _, _), v in times._t.items() if kind == "overhead"]
     assert plain and min(plain) >= 0.03
@@ -295,7 +301,6 @@ def test_plain_steps_and_cycle_overhead_are_priced_by_the_whole_engine_step(mode
     # or it would serve as the nearest "plain" measurement of a batch not measured yet
     assert all(tokens <= 4 for kind, tokens, _ in times._t if kind == "plain")
     assert overhead and min(overhead) >= 0.03
-    assert engine.speculator._pending is None
 
 
 def test_probes_back_off_while_they_find_nothing():

@@ -98,7 +98,7 @@ def test_identical_with_different_draft_lengths_per_adapter(setup):
     model, adapters, expected = setup
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=5, gate=False))
     length = {"near-r8": 1, "mid-r16": 3, "far-r64": 0, "near-r32-rslora": 5}
-    engine.speculator.gate.draft_lengths = lambda names, caps, batch, left=None: [
+    engine.gate.draft_lengths = lambda names, caps, batch, left=None: [
         min(c, length[n]) for n, c in zip(names, caps)]
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
     assert [o.token_ids for o in outs] == expected

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import engine_ext.speculative as speculative
+import engine_ext.speculation.verify as speculative
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 from engine_ext.sampler import probabilities
 from tiny_models import build_adapter, build_model
