@@ -34,15 +34,16 @@ def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device) -> i
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, *, max_model_len: int,
+                 lookahead: int):
+        """max_model_len: the longest sequence served; lookahead: speculative positions past it (0 without
+        speculation). The engine derives both once and passes them down."""
         self.config, self.spec, self.device = config, spec, device
         with torch.device(device):
             self.model = CausalLM(spec, config.torch_dtype)
         self.model.load_weights(config.model)
         self.model.eval()
-        max_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        lookahead = config.speculative.num_draft_tokens if config.speculative else 0
-        self.max_positions = max_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
+        self.max_positions = max_model_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
         self.model.build_rope_table(self.max_positions)
         self.num_blocks = _kv_blocks(config, spec, device)
         # With CUDA graphs one extra block, never handed out, takes the KV of padding tokens.
