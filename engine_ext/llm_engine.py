@@ -42,7 +42,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
-        self.runner = ModelRunner(config, self.spec, self.device)
+        self.lookahead = config.speculative.num_draft_tokens if config.speculative else 0
+        self.runner = ModelRunner(config, self.spec, self.device, max_model_len=self.max_model_len,
+                                  lookahead=self.lookahead)
         self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, config.torch_dtype, self.device)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)

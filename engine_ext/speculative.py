@@ -236,8 +236,8 @@ class Speculator:
             active = members[: sizes[j]]
             work = [SeqWork([s.token_ids[-1] if j == 0 else 0], s.num_tokens - 1 + j, s.block_table, slots.zero_slot)
                     for s in active]
-            logits = e.runner.run_async(work, slots, use_lora=False, tokens=tokens,
-                                        token_src=[at(s, j - 1) for s in active] if j else None)
+            logits = e.runner.run(work, slots, use_lora=False, tokens=tokens,
+                                  token_src=[at(s, j - 1) for s in active] if j else None, owned=False)
             torch.argmax(logits, dim=-1, out=tokens[offsets[j] : offsets[j + 1]])
             kept.append(logits.clone() if want_rows else None)
             self.clock.mark()
@@ -252,7 +252,7 @@ class Speculator:
             m = lengths.get(id(s), 0)  # a drafter: [last, d1..dm]; prefills and undrafted adapters: as in `_cycle`
             verify.append(e.work_item(s, [0] * m, m + 1))
             src += [-1] * (len(verify[-1].token_ids) - m) + [at(s, j) for j in range(m)]
-        logits = e.runner.run_async(verify, slots, tokens=tokens, token_src=src)
+        logits = e.runner.run(verify, slots, tokens=tokens, token_src=src, owned=False)
         torch.argmax(logits, dim=-1, out=tokens[offsets[-1] :])
         self.clock.mark()
         host = tokens.tolist()  # the cycle's one host sync
