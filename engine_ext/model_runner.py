@@ -9,7 +9,7 @@ import torch
 
 from .adapter_slots import AdapterSlots
 from .attention import get_attention_kernel
-from .batch import ForwardBatch, ForwardLimits, SeqWork, build_forward_batch, check_work
+from .batch import ForwardLimits, SeqWork, build_forward_batch, check_work, token_moves
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .lora_ops import get_group_lora_op, get_lora_op
@@ -34,15 +34,16 @@ def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device) -> i
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, *, max_model_len: int,
+                 lookahead: int):
+        """max_model_len: the longest sequence served; lookahead: speculative positions past it (0 without
+        speculation). The engine derives both once and passes them down."""
         self.config, self.spec, self.device = config, spec, device
         with torch.device(device):
             self.model = CausalLM(spec, config.torch_dtype)
         self.model.load_weights(config.model)
         self.model.eval()
-        max_len = min(config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
-        lookahead = config.speculative.num_draft_tokens if config.speculative else 0
-        self.max_positions = max_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
+        self.max_positions = max_model_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
         self.model.build_rope_table(self.max_positions)
         self.num_blocks = _kv_blocks(config, spec, device)
         # With CUDA graphs one extra block, never handed out, takes the KV of padding tokens.
@@ -72,32 +73,31 @@ class ModelRunner:
         logger.info("model %s loaded on %s: %d KV blocks of %d tokens", spec.architecture, device,
                     self.num_blocks, config.block_size)
 
-    @torch.inference_mode()
-    def run(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True) -> torch.Tensor:
-        """Returns next-token logits [sum(num_logits), vocab] float32. `use_lora=False`: the base model.
-        Adapter copies left pending are issued once the forward is queued (AdapterSlots.flush)."""
-        if self.graphs is not None and self.graphs.fits(work):
-            logits = self.graphs.run(work, slots, use_lora)
-        else:
-            logits = self._run_eager(work, slots, use_lora).float()
-        slots.flush()
-        return logits
+    def capturing(self) -> bool:
+        """True until the CUDA graphs are captured (at warm-up, or else on the first forward that fits one)."""
+        return self.graphs is not None and self.graphs.capture_seconds is None
 
     @torch.inference_mode()
-    def run_async(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True,
-                  tokens: torch.Tensor | None = None, token_src: list[int] | None = None) -> torch.Tensor:
-        """`run` for forwards queued back to back: no host sync where a CUDA graph takes the forward (the
-        eager path is synchronous, which is also what the CPU tests exercise).
+    def run(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True, *,
+            tokens: torch.Tensor | None = None, token_src: list[int] | None = None, owned: bool = True) -> torch.Tensor:
+        """One forward; returns next-token logits [sum(num_logits), vocab]. `use_lora=False`: the base model.
+        Adapter copies left pending are issued once the forward is queued (AdapterSlots.flush).
+
+        owned=True: float32 logits the caller owns (a copy where they come from a graph's buffer).
+        owned=False: for forwards queued back to back: no host sync where a CUDA graph takes the forward (the
+        eager path is synchronous, which is also what the CPU tests exercise); the logits are in the model's
+        dtype (argmax needs no float32 copy) and may be a view of a graph's output buffer, valid until the next
+        forward is queued: consume or clone them before that.
 
         token_src: None, or one entry per token of the flat token list (work order); where >= 0, that token's
         input id is tokens[token_src[t]] ([M] long, on the device), read when the forward runs, so it may be
-        the output of a forward still queued; its id in `work` is then a placeholder. The logits are in the
-        model's dtype (argmax needs no float32 copy) and may be a view of a graph's output buffer: consume or
-        clone them before queuing the next forward."""
+        the output of a forward still queued; its id in `work` is then a placeholder."""
         if self.graphs is not None and self.graphs.fits(work):
-            logits = self.graphs.run_async(work, slots, use_lora, tokens, token_src)
+            logits = self.graphs.run(work, slots, use_lora, tokens=tokens, token_src=token_src, owned=owned)
         else:
             logits = self._run_eager(work, slots, use_lora, tokens, token_src)
+            if owned:
+                logits = logits.float()
         slots.flush()
         return logits
 
@@ -105,11 +105,11 @@ class ModelRunner:
                    tokens: torch.Tensor | None = None, token_src: list[int] | None = None) -> torch.Tensor:
         if self.limits is not None:
             check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
-        batch: ForwardBatch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device)
-        moved = [t for t, src in enumerate(token_src or ()) if src >= 0]
-        if moved:
-            src = torch.tensor([token_src[t] for t in moved], device=self.device)
-            batch.input_ids[torch.tensor(moved, device=self.device)] = tokens[src]
+        batch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device, self.limits)
+        if token_src is not None:
+            dst, src = token_moves(token_src)
+            if len(dst):
+                batch.input_ids[torch.from_numpy(dst).to(self.device)] = tokens[torch.from_numpy(src).to(self.device)]
         batch.attn.kernel = self.attn_kernel
         lora = None
         if use_lora and batch.has_lora:

@@ -1,30 +1,86 @@
 """Pure batch metadata: flat tokens, positions, cache slots, block tables, logits rows."""
 
+import numpy as np
+import pytest
 import torch
 
-from engine_ext.batch import SeqWork, build_forward_batch
+from engine_ext.batch import (IDS, KV_SLOT, LOGITS, LORA, NUM_ROWS, POS, QIDX, SEQ, SeqWork, build_forward_batch,
+                              pack_forward, token_moves)
+
+BLOCK, ZERO = 4, 8
+
+# Each case: work items, then the packed rows (columns [0, T), logits [0, N)) and the block tables, unpadded.
+# A token at position p of a sequence lives in KV slot block_table[p // 4] * 4 + p % 4.
+CASES = {
+    "prefill, decode and verify mixed": (
+        [SeqWork([5, 6, 7], 0, [3, 1], lora_slot=0),  # prefill
+         SeqWork([9], 5, [2, 4], lora_slot=ZERO),  # decode at position 5
+         SeqWork([1, 2], 3, [0, 7], lora_slot=ZERO, num_logits=2)],  # verify-like, crosses a block boundary
+        {IDS: [5, 6, 7, 9, 1, 2], POS: [0, 1, 2, 5, 3, 4], KV_SLOT: [12, 13, 14, 4 * 4 + 1, 3, 7 * 4],
+         SEQ: [0, 0, 0, 1, 2, 2], QIDX: [0, 1, 2, 0, 0, 1], LORA: [0, 0, 0, 8, 8, 8], LOGITS: [2, 3, 4, 5]},
+        [[3, 1], [2, 4], [0, 7]],
+    ),
+    "one decode token": (
+        [SeqWork([42], 6, [5, 2], lora_slot=3)],
+        {IDS: [42], POS: [6], KV_SLOT: [2 * 4 + 2], SEQ: [0], QIDX: [0], LORA: [3], LOGITS: [0]},
+        [[5, 2]],
+    ),
+    "decode batch, tables of unequal length padded with block 0": (
+        [SeqWork([1], 0, [6], 1), SeqWork([2], 9, [1, 2, 3], 2), SeqWork([3], 4, [7, 5], ZERO)],
+        {IDS: [1, 2, 3], POS: [0, 9, 4], KV_SLOT: [24, 13, 20], SEQ: [0, 1, 2], QIDX: [0, 0, 0], LORA: [1, 2, 8],
+         LOGITS: [0, 1, 2]},
+        [[6, 0, 0], [1, 2, 3], [7, 5, 0]],
+    ),
+    "prefill over three blocks, last token's logits only": (
+        [SeqWork(list(range(10, 20)), 0, [9, 4, 6], 0)],
+        {IDS: list(range(10, 20)), POS: list(range(10)), KV_SLOT: [36, 37, 38, 39, 16, 17, 18, 19, 24, 25],
+         SEQ: [0] * 10, QIDX: list(range(10)), LORA: [0] * 10, LOGITS: [9]},
+        [[9, 4, 6]],
+    ),
+    "two verifies, every query token's logits": (
+        [SeqWork([1, 2, 3], 2, [0, 1], 4, num_logits=3), SeqWork([4, 5], 6, [2, 3], 5, num_logits=2)],
+        {IDS: [1, 2, 3, 4, 5], POS: [2, 3, 4, 6, 7], KV_SLOT: [2, 3, 4, 14, 15], SEQ: [0, 0, 0, 1, 1],
+         QIDX: [0, 1, 2, 0, 1], LORA: [4, 4, 4, 5, 5], LOGITS: [0, 1, 2, 3, 4]},
+        [[0, 1], [2, 3]],
+    ),
+}
 
 
-def test_prefill_and_decode_mixed():
-    work = [
-        SeqWork(token_ids=[5, 6, 7], start=0, block_table=[3, 1], lora_slot=0),  # prefill
-        SeqWork(token_ids=[9], start=5, block_table=[2, 4], lora_slot=8),  # decode at position 5
-        SeqWork(token_ids=[1, 2], start=3, block_table=[0, 7], lora_slot=8, num_logits=2),  # verify-like
-    ]
-    b = build_forward_batch(work, block_size=4, zero_slot=8, device=torch.device("cpu"))
-    assert b.input_ids.tolist() == [5, 6, 7, 9, 1, 2]
-    assert b.attn.positions.tolist() == [0, 1, 2, 5, 3, 4]
-    # position p of a sequence lives at block_table[p // 4] * 4 + p % 4
-    assert b.attn.slot_mapping.tolist() == [12, 13, 14, 4 * 4 + 1, 3, 7 * 4]
-    assert b.attn.block_tables.tolist() == [[3, 1], [2, 4], [0, 7]]
-    assert b.attn.token_seq.tolist() == [0, 0, 0, 1, 2, 2]
-    assert b.attn.token_qidx.tolist() == [0, 1, 2, 0, 0, 1]
-    assert b.attn.max_query_len == 3
-    assert b.lora_slots.tolist() == [0, 0, 0, 8, 8, 8]
-    assert b.logits_indices.tolist() == [2, 3, 4, 5]
-    assert b.has_lora
+@pytest.mark.parametrize("name", list(CASES))
+def test_pack_forward(name):
+    work, expected, expected_tables = CASES[name]
+    num_tokens, num_logits = len(expected[IDS]), len(expected[LOGITS])
+    rows = np.full((NUM_ROWS, num_tokens), -1, dtype=np.int64)
+    tables = np.full((len(work), len(expected_tables[0])), -1, dtype=np.int64)
+    assert pack_forward(work, BLOCK, ZERO, rows, tables) == (num_tokens, num_logits)
+    for row, values in expected.items():
+        assert rows[row, : len(values)].tolist() == values, row
+    assert tables.tolist() == expected_tables
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eager_batch_holds_the_packed_rows(name):
+    work, expected, expected_tables = CASES[name]
+    b = build_forward_batch(work, BLOCK, ZERO, torch.device("cpu"))
+    got = {IDS: b.input_ids, POS: b.attn.positions, KV_SLOT: b.attn.slot_mapping, SEQ: b.attn.token_seq,
+           QIDX: b.attn.token_qidx, LORA: b.lora_slots, LOGITS: b.logits_indices}
+    assert {row: t.tolist() for row, t in got.items()} == expected
+    assert all(t.dtype == torch.long for t in got.values())
+    assert b.attn.block_tables.tolist() == expected_tables
+    assert b.attn.max_query_len == max(len(w.token_ids) for w in work)
+    assert b.has_lora == any(w.lora_slot != ZERO for w in work)
 
 
 def test_base_only_batch_skips_lora():
     work = [SeqWork(token_ids=[1], start=0, block_table=[0], lora_slot=2)]
     assert not build_forward_batch(work, 16, zero_slot=2, device=torch.device("cpu")).has_lora
+
+
+@pytest.mark.parametrize("token_src, dst, src", [
+    (None, [], []),
+    ([-1, -1], [], []),
+    ([3, -1, 0, 7], [0, 2, 3], [3, 0, 7]),
+])
+def test_token_moves(token_src, dst, src):
+    got_dst, got_src = token_moves(token_src)
+    assert got_dst.tolist() == dst and got_src.tolist() == src

@@ -139,7 +139,7 @@ def test_returned_logits_match_plain_decoding(setup):
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
 
 
-def test_run_async_reads_input_ids_from_the_device(setup):
+def test_run_reads_input_ids_from_the_device(setup):
     """The runner API the one-sync cycle is built on: token ids taken from a device tensor at run time."""
     model, adapters, _ = setup
     engine = make_engine(model, adapters, None)
@@ -149,11 +149,16 @@ def test_run_async_reads_input_ids_from_the_device(setup):
     prefill = [SeqWork([1, 2, 3, 4, 5], 0, [0, 1, 2], lora), SeqWork([7, 8, 9], 0, [3, 4], slots.zero_slot)]
     runner.run(prefill, slots)
     tokens = torch.tensor([50, 61, 72, 83])
-    work = [SeqWork([0, 9, 0], 5, [0, 1, 2], lora, num_logits=3), SeqWork([0], 3, [3, 4], slots.zero_slot)]
-    got = runner.run_async(work, slots, tokens=tokens, token_src=[2, -1, 0, 3]).float()  # in the model's dtype
+    placeholders = [SeqWork([0, 9, 0], 5, [0, 1, 2], lora, num_logits=3), SeqWork([0], 3, [3, 4], slots.zero_slot)]
+    got = runner.run(placeholders, slots, tokens=tokens, token_src=[2, -1, 0, 3], owned=False).float()  # model dtype
     runner.run(prefill, slots)  # the same cache state again
+    owned = runner.run(placeholders, slots, tokens=tokens, token_src=[2, -1, 0, 3])
+    runner.run(prefill, slots)
     work = [SeqWork([72, 9, 50], 5, [0, 1, 2], lora, num_logits=3), SeqWork([83], 3, [3, 4], slots.zero_slot)]
-    torch.testing.assert_close(got, runner.run(work, slots), rtol=0, atol=0)
+    want = runner.run(work, slots)
+    assert owned.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(owned, want, rtol=0, atol=0)
 
 
 def test_identical_with_gate_on(setup):

@@ -112,7 +112,7 @@ def test_returned_logits_of_riders_and_drafters(setup):
 
 
 def test_queued_forwards_read_ids_written_by_earlier_ones(setup):
-    """ModelRunner.run_async with graphs: three decode steps and a verify-shaped adapter pass queued with no
+    """ModelRunner.run(owned=False) with graphs: three decode steps and a verify-shaped adapter pass queued with no
     sync, each taking ids from the previous one's argmax on the device, equal the same steps run one by one."""
     model, adapters, _ = setup
     engine = _engine(model, adapters, None)
@@ -140,10 +140,10 @@ def test_queued_forwards_read_ids_written_by_earlier_ones(setup):
     got = []
     for j in range(3):
         work = [SeqWork([0], len(p) + j, t, zero) for p, t in zip(prompts, tables)]
-        logits = runner.run_async(work, slots, use_lora=False, tokens=tokens, token_src=[2 * j, 2 * j + 1])
+        logits = runner.run(work, slots, use_lora=False, tokens=tokens, token_src=[2 * j, 2 * j + 1], owned=False)
         torch.argmax(logits, dim=-1, out=tokens[2 * j + 2 : 2 * j + 4])
         got.append(logits.clone())
-    got.append(runner.run_async(verify([0, 0]), slots, tokens=tokens, token_src=[6, -1, 7]).clone())
+    got.append(runner.run(verify([0, 0]), slots, tokens=tokens, token_src=[6, -1, 7], owned=False).clone())
     torch.cuda.synchronize()
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
