@@ -25,13 +25,14 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (  # noqa: E402
     SHAPES, build_random_adapter, build_random_model, machine, measure_decode, percentile, replay_ms)
-from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
+from engine_ext import EngineConfig, KernelSettings, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
 from engine_ext.batch import SeqWork  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy rate on this H200 (KINDS.md)
@@ -217,11 +218,13 @@ def activate(engine, names: list[str]) -> None:
     engine.adapters.slots.synchronize()  # copies run on a side stream: landed before any forward reads them
 
 
-def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int):
+def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int,
+                 kernels: KernelSettings | None = None):
     cfg = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_loras=max_loras, max_lora_rank=max_rank,
                        max_cpu_loras=max(64, len(adapters) + 1), kv_cache_memory_gb=24, max_num_seqs=128,
                        max_num_batched_tokens=8192, max_model_len=2048, lora_backend="triton", attn_backend="triton",
-                       cuda_graphs=True, max_graph_tokens=max_graph_tokens,
+                       layer_ops="triton", kernels=kernels or KernelSettings(), cuda_graphs=True,
+                       max_graph_tokens=max_graph_tokens,
                        speculative=SpecConfig(num_draft_tokens=MAX_K))  # sizes block tables for k <= MAX_K
     engine = LLMEngine(cfg)
     for n, p in adapters.items():
@@ -317,11 +320,15 @@ def main() -> None:
                     help="a base model with a peaked next-token distribution (see build_model_on_gpu)")
     ap.add_argument("--sections", nargs="+", default=["forward", "engine", "load"],
                     choices=["forward", "engine", "load"])
+    ap.add_argument("--kernel-settings", type=json.loads, default={},
+                    help='the Triton kernels\' launch settings that differ from the defaults, as JSON '
+                         '(engine_ext.KernelSettings fields), e.g. \'{"attn_block_n": 64}\'')
     ap.add_argument("--workdir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
     ap.add_argument("--out")
     args = ap.parse_args()
+    kernels = KernelSettings.from_dict(args.kernel_settings)
     results = {"machine": machine(), "command": " ".join(sys.argv), "hbm_bytes_per_s": HBM_BYTES_PER_S,
-               "settings": {k: v for k, v in os.environ.items() if k.startswith("LORASERVE_")},  # launch overrides
+               "kernel_settings": asdict(kernels),
                "forward": [], "engine": [], "hf": [], "capture_s": {}}
 
     def dump():
@@ -352,7 +359,7 @@ def main() -> None:
                     adapters |= {f"m{j}_{i}": mid for i in range(32)}
             t0 = time.perf_counter()
             engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32), max_rank=rank,
-                                  max_graph_tokens=max(args.batches) * (MAX_K + 1))
+                                  max_graph_tokens=max(args.batches) * (MAX_K + 1), kernels=kernels)
             print(f"[{shape} r{rank}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 run_shape_rank(engine, shape, rank, max_distinct, args, results, dump)

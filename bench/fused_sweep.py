@@ -2,7 +2,8 @@
 shrink/expand kernels of kernels/triton_lora.py that the fused path keeps for o and down) at the
 Llama-3.2-1B shape: 32 tokens, each on its own adapter (rank 16 by default), one weight set per layer;
 each kernel timed as a CUDA graph of 16 calls (one per layer) beside the bytes its adapter tiles take
-(the floor at 4.3 TB/s). Prints JSON rows and the best setting per kernel.
+(the floor at 4.3 TB/s). The settings are engine_ext.KernelSettings fields. Prints JSON rows and the best
+setting per kernel.
 
     python bench/fused_sweep.py [--rank 16]
 """
@@ -14,11 +15,13 @@ import itertools
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import graph_ms  # noqa: E402
+from engine_ext.kernels import KernelSettings  # noqa: E402
 from engine_ext.kernels import triton_fused as tf  # noqa: E402
 from engine_ext.kernels import triton_lora as tl_mod  # noqa: E402
 
@@ -47,17 +50,17 @@ def layer_args(rank, tokens, slots, g):
     }
 
 
-def norm_qkv(L):
-    return tf.add_rms_norm(L["x"], L["delta"], L["w"], 1e-5, (L["a_qkv"], L["idx"]))
+def norm_qkv(L, s=KernelSettings()):
+    return tf.add_rms_norm(L["x"], L["delta"], L["w"], 1e-5, (L["a_qkv"], L["idx"]), settings=s)
 
 
-def rope(L, part):
+def rope(L, part, s=KernelSettings()):
     return tf.rope_write_kv(L["qkv"], L["cos"], L["sin"], L["kc"], L["vc"], L["slot_mapping"], HEADS, KVH,
-                            (part, L["b_qkv"], L["s_qkv"], L["idx"]))
+                            (part, L["b_qkv"], L["s_qkv"], L["idx"]), settings=s)
 
 
-def silu(L, part):
-    return tf.silu_mul(L["gate_up"], (part, L["b_gu"], L["s_gu"], L["a_down"], L["idx"]))
+def silu(L, part, s=KernelSettings()):
+    return tf.silu_mul(L["gate_up"], (part, L["b_gu"], L["s_gu"], L["a_down"], L["idx"]), settings=s)
 
 
 def main():
@@ -83,33 +86,26 @@ def main():
         if kernel not in best or ms < best[kernel]["ms16"]:
             best[kernel] = row
 
-    saved = dict(vars(tf))
+    base = KernelSettings()
     for chunk, warps in itertools.product((64, 128, 256), (1, 2, 4)):
-        tf._NORM_CHUNK, tf._NORM_LORA_WARPS = chunk, warps
-        record("norm_qkv", {"chunk": chunk, "warps": warps}, lambda L, i: norm_qkv(L))
-    tf._NORM_CHUNK, tf._NORM_LORA_WARPS = saved["_NORM_CHUNK"], saved["_NORM_LORA_WARPS"]
+        s = replace(base, norm_chunk=chunk, norm_lora_warps=warps)
+        record("norm_qkv", {"chunk": chunk, "warps": warps}, lambda L, i: norm_qkv(L, s))
     for warps in (1, 2):
-        tf._ROPE_LORA_WARPS = warps
-        record("rope", {"warps": warps}, lambda L, i: rope(L, parts[i]))
-    tf._ROPE_LORA_WARPS = saved["_ROPE_LORA_WARPS"]
+        s = replace(base, rope_lora_warps=warps)
+        record("rope", {"warps": warps}, lambda L, i: rope(L, parts[i], s))
     for block, warps in itertools.product((128, 256, 512, 1024), (2, 4)):
-        tf._SILU_LORA_BLOCK, tf._SILU_LORA_WARPS = block, warps
-        record("silu", {"block": block, "warps": warps}, lambda L, i: silu(L, gu_parts[i]))
-    tf._SILU_LORA_BLOCK, tf._SILU_LORA_WARPS = saved["_SILU_LORA_BLOCK"], saved["_SILU_LORA_WARPS"]
+        s = replace(base, silu_lora_block=block, silu_lora_warps=warps)
+        record("silu", {"block": block, "warps": warps}, lambda L, i: silu(L, gu_parts[i], s))
     # the split kernels the fused path keeps: o's shrink + expand, and the down expand of silu's partials
     down_parts = [silu(L, gu_parts[i])[1] for i, L in enumerate(layers)]
-    tl_saved = dict(vars(tl_mod))
-    for target, block_n, warps in itertools.product((132, 264, 528, 1056), (0, 128, 256), (2, 4)):
-        tl_mod._TARGET_PROGRAMS, tl_mod._EXPAND_BLOCK_N, tl_mod._SHRINK_WARPS = target, block_n, warps
-        tl_mod._EXPAND_WARPS = warps
-        record("o_lora", {"target": target, "block_n": block_n, "warps": warps},
-               lambda L, i: tl_mod.add_lora_triton(L["o_out"], L["attn"], L["a_o"], L["b_o"], L["s_o"], L["idx"]))
-        if target == 264:
-            record("down_expand", {"block_n": block_n, "warps": warps},
-                   lambda L, i: tl_mod.lora_expand(L["o_out"], down_parts[i], L["b_o"], L["s_o"], L["idx"],
-                                                   L["a_o"].shape[0] - 1))
-    for k in ("_TARGET_PROGRAMS", "_EXPAND_BLOCK_N", "_SHRINK_WARPS", "_EXPAND_WARPS"):
-        setattr(tl_mod, k, tl_saved[k])
+    for block_n, warps in itertools.product((0, 128, 256), (2, 4)):
+        s = replace(base, expand_block_n=block_n, shrink_warps=warps, expand_warps=warps)
+        record("o_lora", {"block_n": block_n, "warps": warps},
+               lambda L, i: tl_mod.add_lora_triton(L["o_out"], L["attn"], L["a_o"], L["b_o"], L["s_o"], L["idx"],
+                                                   settings=s))
+        record("down_expand", {"block_n": block_n, "warps": warps},
+               lambda L, i: tl_mod.lora_expand(L["o_out"], down_parts[i], L["b_o"], L["s_o"], L["idx"],
+                                               L["a_o"].shape[0] - 1, settings=s))
     for k, row in best.items():
         print("BEST", k, json.dumps(row))
 

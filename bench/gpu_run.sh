@@ -21,21 +21,23 @@ python3 -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadfile"
 export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
-# The ab step's variants, one per line (AB_VARIANTS overrides). Attention's (run 13), the fused kernels' and the
-# one-launch o delta (run 14), the split LoRA kernels' (run 16), independent loads first / cuBLASLt (run 17)
-# and programmatic dependent launch (runs 18-20) were A/B'd this way; this checks the default PDL against none.
-DEFAULT_AB="LORASERVE_PDL=0"
+# The ab step's variants, one JSON object of engine_ext.KernelSettings fields per line (AB_VARIANTS overrides);
+# the default re-checks the shrink kernel's warps against the default's.
+DEFAULT_AB='{"shrink_warps": 4}'
+# The Triton kernels' launch settings for the decode.py steps (JSON; the ab step sets its winner)
+KERNEL_SETTINGS=${KERNEL_SETTINGS:-"{}"}
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 
 for step in $STEPS; do
   start=$SECONDS
   case $step in
-    ab)  # launch settings A/B'd in the whole forward (bench/forward_ab.py); the winner is exported for later steps
+    ab)  # launch settings A/B'd in the whole forward (bench/forward_ab.py); the winner is used by later steps
       mapfile -t variants <<<"${AB_VARIANTS:-$DEFAULT_AB}"
-      timeout 420 python3 bench/forward_ab.py --out-dir "$OUT" --env-out "$OUT/best.env" "${variants[@]}" \
+      timeout 420 python3 bench/forward_ab.py --out-dir "$OUT" --settings-out "$OUT/best.json" "${variants[@]}" \
         >"$OUT/ab.log" 2>&1
       echo "ab rc $?"; cat "$OUT/ab.log"
-      if [ -s "$OUT/best.env" ]; then . "$OUT/best.env"; echo "exported: $(cat "$OUT/best.env" | tr '\n' ' ')"; fi ;;
+      if [ -s "$OUT/best.json" ]; then KERNEL_SETTINGS=$(cat "$OUT/best.json"); fi
+      echo "kernel settings: $KERNEL_SETTINGS" ;;
     tests)  # every gpu-marked engine test (the open-loop stress suite's CUDA backend and the 1B/8B shapes included)
       timeout 420 python3 -m pytest -m gpu tests/engine_ext -q -p no:cacheprovider $XDIST >"$OUT/gpu_tests.log" 2>&1
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
@@ -55,34 +57,33 @@ for step in $STEPS; do
       done ;;
     forward)  # points 1, 2 and 4 (copy-engine graph inputs)
       timeout 200 python3 bench/decode.py --ranks 16 --batches 1 32 --adapters 0 32 --sections forward load \
-        --out "$OUT/forward.json" 2>&1 | quiet >"$OUT/forward.log"
+        --kernel-settings "$KERNEL_SETTINGS" --out "$OUT/forward.json" 2>&1 | quiet >"$OUT/forward.log"
       echo "forward rc $?" ;;
-    noside)  # plain with the o and down LoRA deltas on the main stream (A/B against forward's side stream)
-      LORASERVE_SIDE_STREAM=0 timeout 120 python3 bench/decode.py --ranks 16 --batches 32 --adapters 0 32 \
-        --sections forward --out "$OUT/forward_noside.json" 2>&1 | quiet >"$OUT/forward_noside.log"
-      echo "noside rc $?" ;;
     gate)  # point 3 (rank 64; add 16 for the rank-16 table)
       timeout 150 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
-        --vfar-scale 100 --gen 64 --sections engine --out "$OUT/gate.json" 2>&1 | quiet >"$OUT/gate.log"
+        --vfar-scale 100 --gen 64 --sections engine --kernel-settings "$KERNEL_SETTINGS" \
+        --out "$OUT/gate.json" 2>&1 | quiet >"$OUT/gate.log"
       echo "gate rc $?" ;;
     gate16)  # point 3 at rank 16, and point 2's HF PEFT peer on the same mix, in one run
       timeout 200 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
-        --gen 64 --hf --sections engine --out "$OUT/gate16_hf.json" 2>&1 | quiet >"$OUT/gate16_hf.log"
+        --gen 64 --hf --sections engine --kernel-settings "$KERNEL_SETTINGS" \
+        --out "$OUT/gate16_hf.json" 2>&1 | quiet >"$OUT/gate16_hf.log"
       echo "gate16 rc $?" ;;
     gate256)  # point 3 in 256-token windows (rank 64, near / far / very far and two middle scales), every mode in
       # 5 rounds, the median reported, and each gated mode against the better mode round by round (gate_check)
       timeout 420 python3 bench/decode.py --peaked --ranks 64 --batches 32 --adapters 0 32 --near-scale 0.1 \
         --vfar-scale 100 --mid-scales ${MID_SCALES:-2 3} --gen 256 --repeats "${REPEATS:-5}" --sections engine \
-        --out "$OUT/gate256.json" 2>&1 | quiet >"$OUT/gate256.log"
+        --kernel-settings "$KERNEL_SETTINGS" --out "$OUT/gate256.json" 2>&1 | quiet >"$OUT/gate256.log"
       echo "gate256 rc $?"; grep '"vs_better"' "$OUT/gate256.log" ;;
     gate16_256)  # point 3 in 256-token windows (rank 16), every mode in 5 rounds, the median reported
       timeout 240 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
-        --gen 256 --repeats "${REPEATS:-5}" --sections engine --out "$OUT/gate16_256.json" 2>&1 \
-        | quiet >"$OUT/gate16_256.log"
+        --gen 256 --repeats "${REPEATS:-5}" --sections engine --kernel-settings "$KERNEL_SETTINGS" \
+        --out "$OUT/gate16_256.json" 2>&1 | quiet >"$OUT/gate16_256.log"
       echo "gate16_256 rc $?"; grep '"vs_better"' "$OUT/gate16_256.log" ;;
     8b)  # the 8B shape, base and plain
       timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
-        --sections forward --out "$OUT/forward_8b.json" 2>&1 | quiet >"$OUT/forward_8b.log"
+        --sections forward --kernel-settings "$KERNEL_SETTINGS" \
+        --out "$OUT/forward_8b.json" 2>&1 | quiet >"$OUT/forward_8b.log"
       echo "8b rc $?" ;;
     profile)  # where a decode forward's GPU time goes, kernel by kernel (base and 32 rank-16 adapters)
       timeout 120 python3 bench/profile_step.py >"$OUT/profile.log" 2>&1; echo "profile rc $?" ;;
@@ -99,7 +100,7 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "forward_noside.json", "forward_8b.json", "gate.json", "gate16_hf.json", "gate256.json",
+for name in ("forward.json", "forward_8b.json", "gate.json", "gate16_hf.json", "gate256.json",
              "gate16_256.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):

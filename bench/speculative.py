@@ -42,7 +42,8 @@ def fast_options(args) -> dict:
     """--fast: the GPU path (Triton LoRA and paged-attention kernels, CUDA graphs)."""
     if not args.fast:
         return {}
-    return {"lora_backend": "triton", "attn_backend": "triton", "cuda_graphs": True, "max_model_len": 512}
+    return {"lora_backend": "triton", "attn_backend": "triton", "layer_ops": "triton", "cuda_graphs": True,
+            "max_model_len": 512}
 
 
 def run_mode(model, adapters, spec, args, dtype, prompts, names):

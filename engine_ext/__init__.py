@@ -3,6 +3,7 @@ speculative LoRA-off drafting."""
 
 from .async_engine import AsyncLLMEngine
 from .config import EngineConfig, SpecConfig
+from .kernels import KernelSettings
 from .llm_engine import LLMEngine
 from .lora_adapter import AdapterError
 from .model_config import ModelLoadError
@@ -13,6 +14,7 @@ __all__ = [
     "AdapterError",
     "AsyncLLMEngine",
     "EngineConfig",
+    "KernelSettings",
     "LLMEngine",
     "ModelLoadError",
     "RequestOutput",

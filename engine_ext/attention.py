@@ -2,7 +2,8 @@
 
 Every sequence's keys/values live in fixed-size blocks of one cache tensor per layer,
 `[num_blocks, block_size, num_kv_heads, head_dim]`; a block table maps a sequence's logical
-blocks to physical ones. A faster kernel can replace `paged_attention` behind the same signature.
+blocks to physical ones. A faster kernel (kernels/triton_attention.py) replaces `paged_attention`
+behind the same signature through AttnMetadata.kernel.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class AttnMetadata:
     token_qidx: torch.Tensor  # [T] index of the token among its sequence's query tokens
     max_query_len: int
     # The attention kernel this forward runs (same signature as paged_attention); None: the torch
-    # reference below. Set per forward by the model runner from EngineConfig.attn_backend.
+    # reference below. Set per forward by the model runner (backend.Backend.attention).
     kernel: Callable | None = None
 
 
@@ -68,18 +69,3 @@ def paged_attention(
     out = torch.einsum("bkgql,bkld->bqkgd", probs, values).reshape(b, meta.max_query_len, heads, d)
     return out[meta.token_seq, meta.token_qidx]
 
-
-# ---------------------------------------------------------------- kernel registry (attn_backend)
-_ATTN_BACKENDS: dict[str, Callable | None] = {"torch": None}
-
-
-def register_attention_backend(name: str, kernel: Callable) -> None:
-    _ATTN_BACKENDS[name] = kernel
-
-
-def get_attention_kernel(name: str) -> Callable | None:
-    """The kernel for AttnMetadata.kernel; None for the torch reference."""
-    try:
-        return _ATTN_BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown attn_backend {name!r}; available: {sorted(_ATTN_BACKENDS)}") from None

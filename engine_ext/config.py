@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels.settings import KernelSettings
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The choices of EngineConfig's kernel fields (backend.py says what each selects)
+LORA_BACKENDS = ("torch", "gather", "triton")
+ATTN_BACKENDS = ("torch", "triton")
+LAYER_OPS = ("torch", "triton")
 
 
 @dataclass
@@ -44,11 +50,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
-    lora_backend: str = "torch"  # name of the batched LoRA op (see lora_ops.py); "triton" on a GPU
-    # Paged attention kernel (see attention.py); "triton" on a GPU, which also runs the layer's element-wise
-    # work (norms, rotary + KV write, SiLU) as fused Triton kernels, with the LoRA math of decode-sized
-    # forwards folded into them when lora_backend is "triton" too (kernels/triton_fused.py).
-    attn_backend: str = "torch"
+    # The kernels (backend.py), each "torch" (plain-torch references, any device) or "triton" (GPU kernels,
+    # launched with `kernels`); the GPU fast path sets all three to "triton".
+    lora_backend: str = "torch"  # the batched LoRA op (lora_ops.py); also "gather", the per-token reference
+    attn_backend: str = "torch"  # paged attention (attention.py)
+    # The decoder layer's element-wise work (norms, rotary + KV write, SiLU): "triton" runs it as fused
+    # kernels, which with lora_backend "triton" also take the LoRA math of decode-sized forwards
+    # (kernels/triton_fused.py).
+    layer_ops: str = "torch"
+    # Launch settings of the Triton kernels (block sizes, warps, split-KV); a dict of some fields is accepted.
+    kernels: KernelSettings = field(default_factory=KernelSettings)
     # CUDA graphs for decode-shaped forwards of up to `max_graph_tokens` tokens (cuda_graphs.py);
     # needs a CUDA device and attn_backend "triton". Keep max_model_len modest: block tables are static.
     cuda_graphs: bool = False
@@ -80,9 +91,23 @@ class EngineConfig:
             raise ValueError("max_cpu_loras must be >= max_loras (device slots are filled from the host cache)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        for name, choices in (("lora_backend", LORA_BACKENDS), ("attn_backend", ATTN_BACKENDS),
+                              ("layer_ops", LAYER_OPS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {list(choices)}")
+        if isinstance(self.kernels, dict):
+            self.kernels = KernelSettings.from_dict(self.kernels)
+        elif not isinstance(self.kernels, KernelSettings):
+            raise ValueError(f"kernels must be a KernelSettings or a dict of its fields, got {self.kernels!r}")
+        # The torch attention reference reads meta.max_query_len on the host, which a captured graph would freeze
         if self.cuda_graphs and (not self.device.startswith("cuda") or self.attn_backend != "triton"):
             raise ValueError("cuda_graphs needs a CUDA device and attn_backend='triton'")
         if self.max_graph_tokens < 1:
             raise ValueError("max_graph_tokens must be >= 1")
         if isinstance(self.speculative, dict):
             self.speculative = SpecConfig(**self.speculative)
+
+    @property
+    def uses_triton(self) -> bool:
+        """Whether any kernel choice is a Triton one (those compile, and need Triton installed)."""
+        return "triton" in (self.lora_backend, self.attn_backend, self.layer_ops)

@@ -6,8 +6,8 @@
 zero-padded (exact: the padding contributes zeros). The last slot is all zeros and serves base-only
 tokens. `add_lora_reference` is the plain-torch definition (a per-token gather of A and B);
 `add_lora_dense` computes the same with two dense matrix products over all slots, which avoids
-materialising a [T, in, R] gather and is the default on the CPU. A Triton kernel registers under
-another name with the same signature.
+materialising a [T, in, R] gather and is the default on the CPU. The Triton kernel
+(kernels/triton_lora.py, lora_backend "triton") has the same signature; backend.py picks the op.
 """
 
 from __future__ import annotations
@@ -45,23 +45,10 @@ def add_lora_dense(y, x, a, b, scale, slots) -> None:
 
 
 _BACKENDS: dict[str, LoRAOp] = {"torch": add_lora_dense, "gather": add_lora_reference}
-# Backends with an op for a fused group of modules (q/k/v, gate/up; see model.LoRABatch.add_group):
-# op(y, x, a [S, in, nseg*R], b [S, R, out_total], scale [S, nseg], slots, segment start columns).
-_GROUP_OPS: dict[str, Callable] = {}
-
-
-def register_lora_backend(name: str, op: LoRAOp, group_op: Callable | None = None) -> None:
-    _BACKENDS[name] = op
-    if group_op is not None:
-        _GROUP_OPS[name] = group_op
-
-
-def get_group_lora_op(name: str) -> Callable | None:
-    """The backend's fused-group op, or None (then each module of a group is applied on its own)."""
-    return _GROUP_OPS.get(name)
 
 
 def get_lora_op(name: str) -> LoRAOp:
+    """The plain-torch LoRA op called `name` ("torch" or "gather")."""
     try:
         return _BACKENDS[name]
     except KeyError:

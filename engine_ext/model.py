@@ -3,12 +3,17 @@
 Every step runs all scheduled tokens of all sequences at once: base matrix products are shared,
 each token's adapter is applied by the batched LoRA op, attention reads each sequence's paged cache.
 q/k/v and gate/up are fused into single matrix products; their LoRA deltas land on column slices.
+
+The element-wise work between the products is the `LayerOps` the model is built with: TorchOps below, or
+the fused Triton kernels (kernels/triton_fused.TritonOps), which can also take the LoRA math of
+decode-sized forwards (DecoderLayer.fused_lora).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -87,9 +92,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+class LayerOps(Protocol):
+    """The decoder layer's element-wise work between its matrix products (TorchOps is the reference).
+
+    add_rms_norm(x, delta, weight, eps, lora, extra, rows) -> (x + delta, rms_norm(x + delta) * weight, part)
+    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions) -> q
+    silu_mul(gate_up, lora) -> (silu(gate) * up, part)
+
+    Ops that fold LoRA (`fuses_lora`) take the `lora` arguments and `extra` for forwards of up to
+    `max_fused_lora_tokens` tokens, and also provide lora_delta, expand_delta and side_branch
+    (kernels/triton_fused.TritonOps); the others are only ever passed None there."""
+
+    fuses_lora: bool
+    max_fused_lora_tokens: int
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None) -> tuple: ...
+    def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
+                      positions=None) -> torch.Tensor: ...
+    def silu_mul(self, gate_up, lora=None) -> tuple: ...
+
+
+@dataclass
+class LayerInputs:
+    """What every layer of one forward reads besides its own weights and KV cache."""
+
+    meta: AttnMetadata
+    cos: torch.Tensor  # [T, head_dim], or with `positions` [P, head_dim] tables over positions
+    sin: torch.Tensor
+    positions: torch.Tensor | None  # [T]: rows of the cos/sin tables (CausalLM.build_rope_table)
+    lora: LoRABatch | None
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, index: int):
         super().__init__()
+        self.spec, self.index = spec, index
         h, qkv = spec.hidden_size, spec.q_size + 2 * spec.kv_size
         e = dict(dtype=dtype)
         self.input_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
@@ -100,14 +138,71 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * spec.intermediate_size, h, **e), requires_grad=False)
         self.down = nn.Parameter(torch.empty(h, spec.intermediate_size, **e), requires_grad=False)
 
+    def _attention(self, ops: LayerOps, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   inp: LayerInputs, lora_args: tuple | None = None) -> torch.Tensor:
+        """Rotary + KV write, then paged attention -> [T, q_size]."""
+        spec, (k_cache, v_cache) = self.spec, kv_cache
+        q = ops.rope_write_kv(qkv, inp.cos, inp.sin, k_cache, v_cache, inp.meta.slot_mapping, spec.num_heads,
+                              spec.num_kv_heads, lora_args, inp.positions)
+        out = paged_attention(q, k_cache, v_cache, inp.meta, spec.head_dim**-0.5, spec.sliding_windows[self.index])
+        return out.reshape(-1, spec.q_size)
+
+    def plain(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None,
+              kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, each product's LoRA deltas (if any) added by the LoRA op after it. `delta` is the previous
+        layer's output, not yet in the residual stream x; returns (x, this layer's output)."""
+        i, lora, eps = self.index, inp.lora, self.spec.rms_norm_eps
+        x, h, _ = ops.add_rms_norm(x, delta, self.input_norm, eps)
+        qkv = ops.linear(h, self.qkv, self.qkv_bias)
+        if lora is not None:
+            lora.add_group(i, "qkv", qkv, h)
+        attn = self._attention(ops, qkv, kv_cache, inp)
+        o = ops.linear(attn, self.o)
+        if lora is not None:
+            lora.add_group(i, "o", o, attn)
+        x, h, _ = ops.add_rms_norm(x, o, self.post_norm, eps)
+        gate_up = ops.linear(h, self.gate_up)
+        if lora is not None:
+            lora.add_group(i, "gate_up", gate_up, h)
+        act, _ = ops.silu_mul(gate_up)
+        down = ops.linear(act, self.down)
+        if lora is not None:
+            lora.add_group(i, "down", down, act)
+        return x, down
+
+    def fused_lora(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, extra: torch.Tensor | None,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer with the LoRA math in ops that fold it (TritonOps): the q/k/v and gate/up shrinks ride in
+        the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel.
+        The o delta and the down expand run on the side stream beside the o and down products, into float32
+        buffers (`extra`) that the next norm kernel adds with the product. Returns (x, output, its extra)."""
+        i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
+        x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra)
+        qkv = ops.linear(h, self.qkv, self.qkv_bias)
+        attn = self._attention(ops, qkv, kv_cache, inp, lora.expand_args(i, "qkv", part))
+        with branch:
+            extra = ops.lora_delta(attn, *lora.group_args(i, "o"))
+        o = ops.linear(attn, self.o)
+        branch.join()
+        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
+        gate_up = ops.linear(h, self.gate_up)
+        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
+        with branch:
+            extra = ops.expand_delta(*lora.expand_args(i, "down", part))
+        down = ops.linear(act, self.down)
+        branch.join()
+        return x, down, extra
+
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, ops: LayerOps):
         super().__init__()
         self.spec = spec
+        self.ops = ops  # the element-wise work between the matrix products
         e = dict(dtype=dtype)
         self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, **e), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, i) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.empty(spec.hidden_size, **e), requires_grad=False)
         self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(spec.vocab_size, spec.hidden_size, **e), requires_grad=False
@@ -116,9 +211,6 @@ class CausalLM(nn.Module):
         # cos/sin [positions, head_dim] for every position a forward may see (build_rope_table); without it each
         # forward computes its tokens' rows (seven small kernels a step)
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The element-wise work between the matrix products (TorchOps; the model runner installs the
-        # fused Triton kernels, kernels.triton_fused.TritonOps, with attn_backend "triton").
-        self.ops = TorchOps
 
     # ---------------------------------------------------------------- loading
     def load_weights(self, model_dir: str) -> None:
@@ -166,65 +258,38 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [N] rows of the flat token list whose next-token logits are wanted
         lora: LoRABatch | None,
     ) -> torch.Tensor:  # [N, vocab] in the model's dtype (callers upcast where they need float32)
-        spec, ops = self.spec, self.ops
-        qs, eps = spec.q_size, spec.rms_norm_eps
+        ops = self.ops
         x = F.embedding(input_ids, self.embed)
         if self.rope_table is not None:  # rows looked up by position inside the rotary op
             (cos, sin), positions = self.rope_table, meta.positions
         else:
             (cos, sin), positions = cos_sin(self.inv_freq, meta.positions, x.dtype), None
-        scale = spec.head_dim**-0.5
-        delta = None  # the previous sub-block's output, not yet added to the residual stream x
-        extra = None  # ... and its LoRA delta (float32), when the fused path computed it beside the product
-        # With fused kernels (ops.fuses_lora) and the slots' group stacks, the q/k/v and gate/up shrinks ride
-        # in the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU
-        # kernel; the o delta and the down expand run on a side stream beside the o and down products, and
-        # the next norm kernel adds them (its `extra`).
-        fuse = (lora is not None and lora.groups is not None and getattr(ops, "fuses_lora", False)
-                and input_ids.shape[0] <= ops.max_fused_lora_tokens)
-        branch = ops.side_branch(x.device) if fuse else None
-        for i, layer in enumerate(self.layers):
-            shrink = lora.shrink_args(i, "qkv") if fuse else None
-            x, h, part = ops.add_rms_norm(x, delta, layer.input_norm, eps, shrink, extra)
-            qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
-            if lora is not None and not fuse:
-                lora.add_group(i, "qkv", qkv, h)
-            k_cache, v_cache = kv_caches[i]
-            q = ops.rope_write_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, spec.num_heads,
-                                  spec.num_kv_heads, lora.expand_args(i, "qkv", part) if fuse else None, positions)
-            attn = paged_attention(q, k_cache, v_cache, meta, scale, spec.sliding_windows[i]).reshape(-1, qs)
-            if fuse:
-                with branch:
-                    extra = ops.lora_delta(attn, *lora.group_args(i, "o"))
-            o = ops.linear(attn, layer.o)
-            if fuse:
-                branch.join()
-            elif lora is not None:
-                lora.add_group(i, "o", o, attn)
-            shrink = lora.shrink_args(i, "gate_up") if fuse else None
-            x, h, part = ops.add_rms_norm(x, o, layer.post_norm, eps, shrink, extra)
-            gate_up = ops.linear(h, layer.gate_up)
-            if lora is not None and not fuse:
-                lora.add_group(i, "gate_up", gate_up, h)
-            act, part = ops.silu_mul(gate_up, lora.silu_args(i, part) if fuse else None)
-            if fuse:
-                with branch:
-                    extra = ops.expand_delta(*lora.expand_args(i, "down", part))
-            delta = ops.linear(act, layer.down)
-            if fuse:
-                branch.join()
-            elif lora is not None:
-                lora.add_group(i, "down", delta, act)
+        inp = LayerInputs(meta, cos, sin, positions, lora)
+        delta = extra = None  # the last layer's output, not yet added to the residual stream x, and its LoRA delta
+        if self.folds_lora(lora, input_ids.shape[0]):
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, delta, extra = layer.fused_lora(ops, x, delta, extra, kv_cache, inp)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, delta = layer.plain(ops, x, delta, kv_cache, inp)
         # the final norm reads only the rows whose logits are wanted
-        _, x, _ = ops.add_rms_norm(x, delta, self.norm, eps, None, extra, rows=logits_indices)
+        _, x, _ = ops.add_rms_norm(x, delta, self.norm, self.spec.rms_norm_eps, None, extra, rows=logits_indices)
         return ops.linear(x, self.lm_head)
+
+    def folds_lora(self, lora: LoRABatch | None, num_tokens: int) -> bool:
+        """Whether a forward's LoRA math goes into the element-wise kernels (DecoderLayer.fused_lora): with ops
+        that fold it, the slots' fused group stacks, and at most the ops' token limit (decode sizes, where
+        re-reading an adapter's tiles per token costs less than the launches it saves)."""
+        return (self.ops.fuses_lora and lora is not None and lora.groups is not None
+                and num_tokens <= self.ops.max_fused_lora_tokens)
 
 
 class TorchOps:
-    """The decoder layer's element-wise work in plain torch: the reference the fused kernels match.
-    (It fuses no LoRA math: the model applies every group's delta with the LoRA op.)"""
+    """The decoder layer's element-wise work in plain torch (LayerOps): the reference the fused kernels match.
+    It folds no LoRA math: the model applies every group's delta with the LoRA op."""
 
     fuses_lora = False
+    max_fused_lora_tokens = 0
 
     linear = staticmethod(F.linear)
 

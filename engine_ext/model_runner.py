@@ -8,11 +8,10 @@ import time
 import torch
 
 from .adapter_slots import AdapterSlots
-from .attention import get_attention_kernel
+from .backend import Backend
 from .batch import ForwardLimits, SeqWork, build_forward_batch, check_work, token_moves
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .lora_ops import get_group_lora_op, get_lora_op
 from .model import CausalLM, LoRABatch
 from .model_config import ModelSpec
 
@@ -39,8 +38,9 @@ class ModelRunner:
         """max_model_len: the longest sequence served; lookahead: speculative positions past it (0 without
         speculation). The engine derives both once and passes them down."""
         self.config, self.spec, self.device = config, spec, device
+        backend = Backend.from_config(config, device)
         with torch.device(device):
-            self.model = CausalLM(spec, config.torch_dtype)
+            self.model = CausalLM(spec, config.torch_dtype, backend.layer_ops)
         self.model.load_weights(config.model)
         self.model.eval()
         self.max_positions = max_model_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
@@ -53,22 +53,11 @@ class ModelRunner:
              torch.zeros(shape, dtype=config.torch_dtype, device=device))
             for _ in range(spec.num_layers)
         ]
-        if "triton" in (config.lora_backend, config.attn_backend):
-            from .kernels import install, set_cache_dir
-
-            if config.compile_cache_dir:
-                set_cache_dir(config.compile_cache_dir)
-            install()
         # Debug mode: the bounds every forward's indices are checked against (batch.check_work)
         self.limits = ForwardLimits(spec.vocab_size, self.max_positions, self.num_blocks, config.block_size,
                                     config.max_loras + 1) if config.debug_checks else None
-        self.lora_op = get_lora_op(config.lora_backend)
-        self.group_lora_op = get_group_lora_op(config.lora_backend)
-        if config.attn_backend == "triton":  # on a GPU: the layer's element-wise work as fused kernels too
-            from .kernels.triton_fused import TritonOps
-
-            self.model.ops = TritonOps
-        self.attn_kernel = get_attention_kernel(config.attn_backend)
+        self.lora_op, self.group_lora_op = backend.lora_op, backend.group_lora_op
+        self.attn_kernel = backend.attention
         self.graphs = self._decode_graphs() if config.cuda_graphs else None
         logger.info("model %s loaded on %s: %d KV blocks of %d tokens", spec.architecture, device,
                     self.num_blocks, config.block_size)
@@ -123,7 +112,7 @@ class ModelRunner:
         eager forwards of the sizes the graphs do not take (prefills past the largest bucket; every bucket size
         when there are no graphs), at token and sequence counts that cover the size classes Triton
         specialises kernels on (1, multiples of 16, others). Returns the seconds each part took."""
-        if self.device.type != "cuda" or "triton" not in (self.config.lora_backend, self.config.attn_backend):
+        if self.device.type != "cuda" or not self.config.uses_triton:
             return {}  # the plain-torch kernels have nothing to compile
         out = {}
         if self.graphs is not None:

@@ -1,13 +1,19 @@
-"""GPU kernels behind the engine's plain-torch references (Triton; imported lazily, only on a GPU).
+"""GPU kernels behind the engine's plain-torch references (Triton; imported lazily, only where used).
 
-`install()` registers them: the batched LoRA op as lora_backend "triton" and the paged attention
-kernel as attn_backend "triton". Nothing here imports Triton at package import time, so the CPU
-build of the engine never needs it.
+- triton_lora: the batched LoRA op (EngineConfig.lora_backend "triton")
+- triton_attention: paged attention (attn_backend "triton")
+- triton_fused: the decoder layer's element-wise work, LoRA folded in at decode sizes (layer_ops "triton")
+
+Every launch wrapper takes its launch settings as a KernelSettings (settings.py, EngineConfig.kernels);
+engine_ext.backend binds them. Nothing here imports Triton at package import time, so the CPU build of the
+engine never needs it.
 """
 
 from __future__ import annotations
 
-__all__ = ["install", "set_cache_dir", "triton_available"]
+from .settings import KernelSettings
+
+__all__ = ["KernelSettings", "set_cache_dir", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -17,17 +23,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
-
-
-def install() -> None:
-    """Register the Triton kernels as lora_backend / attn_backend "triton" (idempotent). Needs Triton."""
-    from ..attention import register_attention_backend
-    from ..lora_ops import register_lora_backend
-    from .triton_attention import paged_attention_triton
-    from .triton_lora import add_lora_group_triton, add_lora_triton
-
-    register_lora_backend("triton", add_lora_triton, add_lora_group_triton)
-    register_attention_backend("triton", paged_attention_triton)
 
 
 def set_cache_dir(path: str) -> None:

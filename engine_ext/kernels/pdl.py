@@ -6,18 +6,16 @@ write anything, so memory is ordered exactly as without PDL and only the launch 
 also lets the next PDL kernel be scheduled at once (griddepcontrol.launch_dependents at its start: the
 rotary kernel's attention then waits, resident, for it to finish).
 
-Only launches of up to MAX_TOKENS tokens use it (decode at batch <= 32, one wave of programs).
-Measured in the whole forward on the H200 (bench/forward_ab.py): plain decode at batch 32 1.712 against
-1.726 ms (run 18) and 1.709 against 1.724 ms (run 19); the verify passes (64-160 tokens, several waves)
-were 1.3-3.3% slower with it, early trigger or not (runs 18, 19), so they launch without it.
-LORASERVE_PDL=0 turns it off; it is off under Triton's interpreter and before sm_90. A kernel takes a `PDL`
-constexpr and calls `wait_then_release(PDL)` first; its launch passes `**launch(num_tokens)` (the constexpr and
-the launch option together).
+Only launches of up to MAX_TOKENS tokens use it: at decode sizes (one wave of programs) the overlap shortens
+the forward, while forwards of several waves (the verify passes) measured slower with it (bench/RESULTS.md).
+It needs a CUDA device of compute capability 9.0 or later; tensors elsewhere (the CPU tensors of Triton's
+interpreter) launch without it. A kernel takes a `PDL` constexpr and calls `wait_then_release(PDL)` first;
+its launch passes `**launch(num_tokens, device)` (the constexpr and the launch option together).
 """
 
 from __future__ import annotations
 
-import os
+import functools
 
 import torch
 import triton
@@ -27,18 +25,15 @@ import triton.language as tl
 MAX_TOKENS = 32
 
 
-def _enabled() -> bool:
-    if os.environ.get("LORASERVE_PDL", "1") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+@functools.cache
+def supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with PDL (a CUDA device of compute capability 9.0 or later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-PDL = _enabled()
-
-
-def launch(num_tokens: int) -> dict:
-    """The PDL constexpr and launch option of a launch over `num_tokens` tokens."""
-    return {"PDL": 1, "launch_pdl": True} if PDL and num_tokens <= MAX_TOKENS else {"PDL": 0}
+def launch(num_tokens: int, device: torch.device) -> dict:
+    """The PDL constexpr and launch option of a launch over `num_tokens` tokens on `device`."""
+    return {"PDL": 1, "launch_pdl": True} if num_tokens <= MAX_TOKENS and supported(device) else {"PDL": 0}
 
 
 @triton.jit

@@ -14,14 +14,15 @@ of context lengths; programs of non-leaders return at once.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..attention import AttnMetadata
 from .pdl import launch, wait_then_release
+from .settings import KernelSettings
+
+_DEFAULTS = KernelSettings()
 
 
 @triton.jit
@@ -138,8 +139,11 @@ def paged_attention_triton(
     meta: AttnMetadata,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    settings: KernelSettings = _DEFAULTS,
 ) -> torch.Tensor:
-    """out[t] = softmax(q[t] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]   -> [T, H, D]."""
+    """out[t] = softmax(q[t] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]   -> [T, H, D].
+    `settings`: the launch settings (attn_*), which change speed, never results."""
     num_tokens, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_cache.shape
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -152,8 +156,8 @@ def paged_attention_triton(
     if not num_tokens:
         return out
     group_pad = triton.next_power_of_2(group)
-    block_n, stages = kv_tile(head_dim, k_cache.element_size())
-    splits = kv_splits(num_tokens, kv_heads)
+    block_n, stages = kv_tile(head_dim, k_cache.element_size(), settings)
+    splits = kv_splits(num_tokens, kv_heads, settings)
     if splits == 1:
         part, ml, strides = out, out, (out.stride(0), out.stride(1))
     else:
@@ -163,50 +167,36 @@ def paged_attention_triton(
     _paged_attn_kernel[(num_tokens, kv_heads, splits)](
         q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q(group_pad), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        num_warps=NUM_WARPS, **launch(num_tokens), **({"num_stages": stages} if stages else {}))
+        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q(group_pad, settings.attn_rows),
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        num_warps=settings.attn_warps, **launch(num_tokens, q.device), **({"num_stages": stages} if stages else {}))
     if splits > 1:
         _combine_kernel[(num_tokens, heads)](part, ml, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
-                                             HEAD_DIM=head_dim, num_warps=1, **launch(num_tokens))
+                                             HEAD_DIM=head_dim, num_warps=1, **launch(num_tokens, q.device))
     return out
 
 
-# Split-KV ("flash decoding"): at small batches one program per (token, KV head) leaves most of the chip
-# idle while it walks the context; splitting every context into SPLITS shares (sized at run time from the
-# context length, so one CUDA graph serves every length) keeps more programs busy. Measured on the H200
-# (bench/attn_sweep.py, 1B shape, context 512): it pays at batch 8 (4 splits: 0.13 against 0.17 ms for
-# 16 layers) and costs at batch 32 (0.27 against 0.21 ms), hence the small budget.
-# Launch settings, from the same sweep (bench/results/2026-11-29-h200-run8-attn-sweep.log): 128-key blocks
-# with two pipeline stages and 16-row tiles (4 decode tokens x 4 heads instead of 8 x 4, half of them
-# padding at decode) took batch 32 from 0.31 to 0.21 ms; the k=4 verify pass stays at 0.41-0.44 ms. A manual
-# prefetch of the next key block (loop-carried registers) did not help and was removed. The environment
-# overrides these for sweeps.
-MAX_SPLITS = int(os.environ.get("LORASERVE_ATTN_MAX_SPLITS", "8"))
-BLOCK_N = int(os.environ.get("LORASERVE_ATTN_BLOCK_N", "128"))
-NUM_WARPS = int(os.environ.get("LORASERVE_ATTN_WARPS", "4"))
-SPLIT_BUDGET = int(os.environ.get("LORASERVE_ATTN_SPLIT_BUDGET", "256"))
-# Tile rows (query tokens x heads of one KV head group, at least 16 for the tensor-core dot): a run of up
-# to ROWS // group query tokens of one sequence shares each K/V page it reads; 0: at least 8 tokens.
-ROWS = int(os.environ.get("LORASERVE_ATTN_ROWS", "16"))
-NUM_STAGES = int(os.environ.get("LORASERVE_ATTN_STAGES", "2"))  # 0: Triton's default software pipelining
 _SMEM_BUDGET = 160 << 10  # bytes of K/V tiles in flight (H200: 227 KB of shared memory per block)
 
 
-def kv_splits(num_tokens: int, kv_heads: int) -> int:
-    return max(1, min(MAX_SPLITS, triton.next_power_of_2(max(1, SPLIT_BUDGET // (num_tokens * kv_heads)))))
+def kv_splits(num_tokens: int, kv_heads: int, settings: KernelSettings) -> int:
+    """Split-KV shares per context ("flash decoding"; see KernelSettings.attn_split_budget): sized from the
+    token count alone, so one CUDA graph serves every context length."""
+    budget = settings.attn_split_budget // (num_tokens * kv_heads)
+    return max(1, min(settings.attn_max_splits, triton.next_power_of_2(max(1, budget))))
 
 
-def block_q(group_pad: int) -> int:
-    """Query tokens per tile: the tile (block_q x group_pad rows) has at least 16 rows."""
+def block_q(group_pad: int, rows: int) -> int:
+    """Query tokens per tile: the tile (block_q x group_pad rows) has at least 16 rows (the tensor-core dot);
+    `rows` is KernelSettings.attn_rows."""
     least = max(1, 16 // group_pad)
-    return max(least, ROWS // group_pad) if ROWS else max(8, least)
+    return max(least, rows // group_pad) if rows else max(8, least)
 
 
-def kv_tile(head_dim: int, element_size: int) -> tuple[int, int]:
+def kv_tile(head_dim: int, element_size: int, settings: KernelSettings) -> tuple[int, int]:
     """(BLOCK_N, stages): the K and V tiles of every pipeline stage fit the shared-memory budget (wide heads
     and float32 caches take smaller key blocks)."""
-    block_n, stages = BLOCK_N, NUM_STAGES
+    block_n, stages = settings.attn_block_n, settings.attn_stages
     buffers = stages or 3  # 0: Triton's default, 3 stages on NVIDIA
     while block_n > 16 and 2 * buffers * block_n * head_dim * element_size > _SMEM_BUDGET:
         block_n //= 2

@@ -26,8 +26,6 @@ expand that reads them (lora_expand's layout).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -36,39 +34,15 @@ import triton.language as tl
 from .pdl import launch as _launch
 from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
+from .settings import KernelSettings
 from .triton_lora import expand_delta, lora_delta
 
-
-def _knob(name: str, default: int) -> int:
-    """A launch setting, overridable as LORASERVE_<name> (bench/gpu_run.sh's forward-level A/B runs)."""
-    return int(os.environ.get("LORASERVE_" + name, default))
-
-
-# K chunk of one add_rms_norm program with LoRA (its share of the row and of the shrink)
-_NORM_CHUNK = _knob("NORM_CHUNK", 128)
-_SILU_BLOCK = 1024  # columns of one silu_mul program
-# ... with LoRA: more, smaller programs (each also reads its B and A_down tiles)
-_SILU_LORA_BLOCK = _knob("SILU_LORA_BLOCK", 512)
-# Launch settings of the LoRA variants (0: derived from the rank). Measured with bench/fused_sweep.py on the
-# H200 (1B shape, 32 tokens on 32 rank-16 adapters, 16 layers; bench/results/2026-11-29-h200-run8-fused.log):
-# norm+shrink 0.110 -> 0.081 ms at 128-column chunks and 2 warps, rope+expand 0.100 -> 0.077 ms at 1 warp,
-# silu+expand+shrink 0.264 -> 0.208 ms at 512-column blocks (smaller inner steps were slower), and 0.173 ms
-# at 2 warps instead of 4 (a second sweep, run 10: ...-run10-fused.log).
-_SILU_LORA_SB = _knob("SILU_LORA_SB", 0)  # columns per inner step of silu_mul with LoRA (its B and A_down tiles)
-_SILU_LORA_WARPS = _knob("SILU_LORA_WARPS", 2)
-_NORM_LORA_BK = _knob("NORM_LORA_BK", 0)  # K columns per inner step of add_rms_norm with LoRA (its A tile)
-_NORM_LORA_WARPS = _knob("NORM_LORA_WARPS", 2)
-_ROPE_LORA_WARPS = _knob("ROPE_LORA_WARPS", 1)
-# Issuing the loads that depend on nothing computed first (the norm's A tile and weights, the rotary kernel's
-# cos/sin, silu_mul's B and A_down tiles) was measured slower or no better in the whole forward (run 17: plain
-# 1.753 and 1.733 against 1.727 ms) and removed.
-# The o and down LoRA deltas on a side stream beside their products (0: on the main stream, one after the
-# other, for A/B runs of bench/decode.py).
-SIDE_STREAM = os.environ.get("LORASERVE_SIDE_STREAM", "1") == "1"
+_DEFAULTS = KernelSettings()
+_SILU_BLOCK = 1024  # columns of one silu_mul program without LoRA
 # The fused LoRA path re-reads an adapter's tiles for every token (no run sharing), which pays at decode
 # (one token per sequence) but not for verify passes (k+1 tokens per sequence): above this many tokens in
 # a forward the model applies LoRA with the group op (run-tiled split kernels) instead.
-MAX_FUSED_LORA_TOKENS = 32  # measured: a k=1 verify at batch 32 (64 tokens) costs 2.85 ms fused, split less
+MAX_FUSED_LORA_TOKENS = 32
 
 
 def _rank_block(r: int) -> int:
@@ -130,8 +104,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, lora=None,
-                 extra: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 extra: torch.Tensor | None = None, rows: torch.Tensor | None = None, *,
+                 settings: KernelSettings = _DEFAULTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(x + delta, weight * rms_norm(x + delta), LoRA shrink partials or None); with delta None, x itself.
 
     `lora`: (A [S, N, RT], slots [T]): also part[s, t] = h[t, chunk s] @ A[slot[t], chunk s].
@@ -152,15 +126,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     else:
         res = torch.empty_like(x) if delta is not None else x
     block = triton.next_power_of_2(n)
-    splits = triton.cdiv(n, _NORM_CHUNK) if lora is not None else 1
-    chunk = _NORM_CHUNK if lora is not None else block
+    splits = triton.cdiv(n, settings.norm_chunk) if lora is not None else 1
+    chunk = settings.norm_chunk if lora is not None else block
     part = None
     if lora is not None:
         a, slots = lora
         rt = a.shape[2]
         block_r = _rank_block(rt)
         part = torch.empty(splits, num_tokens, rt, dtype=torch.float32, device=x.device)
-        bk = _NORM_LORA_BK or max(16, min(chunk, 8192 // block_r))
+        bk = settings.norm_lora_bk or max(16, min(chunk, 8192 // block_r))
         lora_args = (a, slots, part, rt, a.shape[0] - 1, a.stride(0), a.stride(1), part.stride(0), part.stride(1))
     else:
         block_r, bk = 1, min(chunk, 2048)
@@ -172,8 +146,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None,
-            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, **_launch(num_tokens),
-            num_warps=_NORM_LORA_WARPS if lora is not None else min(16, max(1, block // 256)))
+            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None,
+            **_launch(num_tokens, x.device),
+            num_warps=settings.norm_lora_warps if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
 
@@ -256,7 +231,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  lora=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                  lora=None, positions: torch.Tensor | None = None, *,
+                  settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """Rotate q and k of the fused [T, (H + 2 KVH) * D] qkv output, write k and v into the paged cache at
     `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place). cos/sin are [T, D], or with
     `positions` [T] tables over positions ([P, D], P above every position; CausalLM.build_rope_table).
@@ -283,8 +259,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None, **_launch(num_tokens),
-            num_warps=1 if lora is None else _ROPE_LORA_WARPS)
+            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None,
+            **_launch(num_tokens, qkv.device), num_warps=1 if lora is None else settings.rope_lora_warps)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 
@@ -333,7 +309,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         tl.store(dpart_ptr + nb * stride_ds + row * stride_dt + offs_r2, dacc, mask=offs_r2 < R2)
 
 
-def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def silu_mul(gate_up: torch.Tensor, lora=None, *,
+             settings: KernelSettings = _DEFAULTS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(silu(gate_up[:, :N]) * gate_up[:, N:]  [T, N], down-shrink partials or None).
 
     `lora`: (part [splits, T, 2R] from add_rms_norm, B_gate_up [S, R, 2N], scale [S, 2], A_down [S, N, R2],
@@ -344,14 +321,14 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
     if gate_up.stride(1) != 1:
         raise ValueError("silu_mul needs unit stride along the feature dimension")
     out = torch.empty(num_tokens, n, dtype=gate_up.dtype, device=gate_up.device)
-    block = min(_SILU_BLOCK if lora is None else _SILU_LORA_BLOCK, triton.next_power_of_2(n))
+    block = min(_SILU_BLOCK if lora is None else settings.silu_lora_block, triton.next_power_of_2(n))
     nblocks = triton.cdiv(n, block)
     dpart = None
     if lora is not None:
         part, b, scale, a_down, slots = lora
         rank, r2 = b.shape[1], a_down.shape[2]
         block_r, block_r2 = _rank_block(rank), _rank_block(r2)
-        sb = min(block, _SILU_LORA_SB or max(16, min(block, 8192 // max(block_r, block_r2))))
+        sb = min(block, settings.silu_lora_sb or max(16, min(block, 8192 // max(block_r, block_r2))))
         dpart = torch.empty(nblocks, num_tokens, r2, dtype=torch.float32, device=gate_up.device)
         lora_args = (part, b, scale, slots, a_down, dpart, rank, part.shape[0], r2, b.shape[0] - 1,
                      part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), a_down.stride(0),
@@ -364,8 +341,8 @@ def silu_mul(gate_up: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tens
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
-                                                **_launch(num_tokens),
-                                                num_warps=_SILU_LORA_WARPS if lora is not None else 4)
+                                                **_launch(num_tokens, gate_up.device),
+                                                num_warps=settings.silu_lora_warps if lora is not None else 4)
     return out, dpart
 
 
@@ -373,11 +350,10 @@ class SideBranch:
     """Kernels queued on a second stream of the device, in parallel with the main stream's next ones (inside a
     CUDA graph capture: a parallel branch of the graph). `with branch:` forks: the side stream waits for what
     the main stream has queued so far and becomes the current stream; `branch.join()` makes the main stream
-    wait for what the side stream has queued. Off a CUDA device (the Triton interpreter), or with SIDE_STREAM
-    off, both are no-ops."""
+    wait for what the side stream has queued. Off a CUDA device (the Triton interpreter) both are no-ops."""
 
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and SIDE_STREAM else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._main = self._ctx = None
 
     def __enter__(self) -> SideBranch:
@@ -398,30 +374,36 @@ class SideBranch:
             self._main.wait_stream(self.stream)
 
 
-_BRANCHES: dict[torch.device, SideBranch] = {}
-
-
-def side_branch(device: torch.device) -> SideBranch:
-    """The device's SideBranch (one side stream per device, made on first use)."""
-    if device not in _BRANCHES:
-        _BRANCHES[device] = SideBranch(device)
-    return _BRANCHES[device]
-
-
 class TritonOps:
-    """model.TorchOps' contract, in the fused kernels above; `fuses_lora`: the model passes LoRA arguments,
-    and computes the o and down LoRA deltas (`lora_delta`, `expand_delta`: float32 buffers) on the
-    `side_branch` beside their products, for the next add_rms_norm's `extra`."""
+    """model.TorchOps' contract in the fused kernels above, launched with `settings`. It folds LoRA
+    (`fuses_lora`): for forwards of up to `max_fused_lora_tokens` tokens the model passes the LoRA arguments
+    to the element-wise kernels, and computes the o and down LoRA deltas (`lora_delta`, `expand_delta`:
+    float32 buffers) on `side_branch` beside their products, for the next add_rms_norm's `extra`.
+
+    The products stay cuBLAS's (F.linear): at decode sizes it is faster than a split-K Triton GEMM with the
+    LoRA expands in its epilogue for every product but the LM head (bench/RESULTS.md)."""
 
     fuses_lora = True
     max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
-    # Measured on the H200 (bench/RESULTS.md, "GPU decode, fourth pass"): a split-K Triton GEMM for
-    # decode-sized products (with LoRA expands in its epilogue) was slower than cuBLAS for all but the LM head,
-    # and so was the o shrink folded into the attention kernel; both were removed.
     linear = staticmethod(F.linear)
-    add_rms_norm = staticmethod(add_rms_norm)
-    rope_write_kv = staticmethod(rope_write_kv)
-    silu_mul = staticmethod(silu_mul)
-    lora_delta = staticmethod(lora_delta)
-    expand_delta = staticmethod(expand_delta)
-    side_branch = staticmethod(side_branch)
+
+    def __init__(self, settings: KernelSettings, device: torch.device):
+        self.settings = settings
+        self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
+
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
+        return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)
+
+    def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
+                      positions=None):
+        return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions,
+                             settings=self.settings)
+
+    def silu_mul(self, gate_up, lora=None):
+        return silu_mul(gate_up, lora, settings=self.settings)
+
+    def lora_delta(self, x, a, b, scale, slots):
+        return lora_delta(x, a, b, scale, slots, settings=self.settings)
+
+    def expand_delta(self, part, b, scale, slots):
+        return expand_delta(part, b, scale, slots, settings=self.settings)

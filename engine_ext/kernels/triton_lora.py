@@ -21,20 +21,15 @@ expand: grid (T, cdiv(out, BLOCK_N)); the leader sums the K partials, scales, mu
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .settings import KernelSettings
+
 _TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _BLOCK_T = 16  # tokens of one run handled together (the smallest tensor-core tile)
-# Launch settings (bench/fused_sweep.py sweeps them): the expand's column tile (0: from the rank) and warps
-_EXPAND_BLOCK_N = int(os.environ.get("LORASERVE_EXPAND_BLOCK_N", "0"))
-_EXPAND_WARPS = int(os.environ.get("LORASERVE_EXPAND_WARPS", "4"))
-# The shrink at 2 warps: every verify pass 1.3-3.8% faster than at 4 in the whole forward, plain decode the same
-# (bench/forward_ab.py, runs 16 and 17)
-_SHRINK_WARPS = int(os.environ.get("LORASERVE_SHRINK_WARPS", "2"))
+_DEFAULTS = KernelSettings()
 
 
 @triton.jit
@@ -130,7 +125,8 @@ def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
     return block_r, max(32, budget // block_r)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int, *,
+                settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """part[s, t, :] summed over s = x[t] @ A[slot[t]]   -> [splits, T, R] float32 (rows of skipped tokens undefined)."""
     num_tokens, fan_in = x.shape
     rank = a.shape[2]
@@ -146,7 +142,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot
             x, a, slots, part, num_tokens, fan_in, rank, k_per_split, skip_slot,
             x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
             BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
-            num_warps=_SHRINK_WARPS)
+            num_warps=settings.shrink_warps)
     return part
 
 
@@ -160,37 +156,40 @@ def _segment_args(segments: tuple[int, ...], fan_out: int, block_n: int) -> tupl
 
 
 def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                skip_slot: int, segments: tuple[int, ...] = (0,), store: bool = False) -> None:
+                skip_slot: int, segments: tuple[int, ...] = (0,), store: bool = False, *,
+                settings: KernelSettings = _DEFAULTS) -> None:
     """y[t, seg cols] += sum_s part[s, t, seg*R:(seg+1)*R] @ B[slot[t], :, seg cols] * scale[slot[t], seg]
     (in place; y may be a column slice). `scale` is [S] for one module or [S, nseg] for a fused group.
     store: y (float32) = the delta itself, zero on skip_slot's rows."""
     num_tokens, fan_out = y.shape
     rank = b.shape[1]
     block_r, block_n = _tile(rank)
-    block_n = min(_EXPAND_BLOCK_N or block_n, block_n)
+    block_n = min(settings.expand_block_n or block_n, block_n)
     seg1, seg2, block_n = _segment_args(segments, fan_out, min(block_n, triton.next_power_of_2(fan_out)))
     if num_tokens:
         _expand_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
             part, b, scale, slots, y, num_tokens, fan_out, rank, part.shape[0], skip_slot, seg1, seg2,
             part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), y.stride(0),
             BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
-            SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, num_warps=_EXPAND_WARPS)
+            SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, num_warps=settings.expand_warps)
 
 
-def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, *,
+                 settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """sum_s part[s, t] @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32, zero for tokens on the zero slot
     (S - 1). `scale` [S] or [S, 1]."""
     out = torch.empty(part.shape[1], b.shape[2], dtype=torch.float32, device=b.device)
-    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True)
+    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True, settings=settings)
     return out
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-               slots: torch.Tensor) -> torch.Tensor:
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, *,
+               settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """(x[t] @ A[slot[t]]) @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32 (the rank-space product rounded
     to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it."""
     _check(x, x, a, b)
-    return expand_delta(lora_shrink(x, a, slots, a.shape[0] - 1), b, scale, slots)
+    part = lora_shrink(x, a, slots, a.shape[0] - 1, settings=settings)
+    return expand_delta(part, b, scale, slots, settings=settings)
 
 
 def _check(y, x, a, b) -> None:
@@ -205,12 +204,14 @@ def add_lora_triton(
     b: torch.Tensor,  # [S, R, out]
     scale: torch.Tensor,  # [S]
     slots: torch.Tensor,  # [T] long; slot S - 1 is the all-zero slot of base-only tokens
+    *,
+    settings: KernelSettings = _DEFAULTS,
 ) -> None:
-    """y[i] += (x[i] @ A[slots[i]]) @ B[slots[i]] * scale[slots[i]]; the registered "triton" LoRA op."""
+    """y[i] += (x[i] @ A[slots[i]]) @ B[slots[i]] * scale[slots[i]]; lora_backend "triton"'s op."""
     _check(y, x, a, b)
     skip_slot = a.shape[0] - 1
-    part = lora_shrink(x, a, slots, skip_slot)
-    lora_expand(y, part, b, scale, slots, skip_slot)
+    part = lora_shrink(x, a, slots, skip_slot, settings=settings)
+    lora_expand(y, part, b, scale, slots, skip_slot, settings=settings)
 
 
 def add_lora_group_triton(
@@ -221,6 +222,8 @@ def add_lora_group_triton(
     scale: torch.Tensor,  # [S, nseg]
     slots: torch.Tensor,  # [T] long; slot S - 1 is the all-zero slot
     segments: tuple[int, ...],  # start column of each module in y (0 first)
+    *,
+    settings: KernelSettings = _DEFAULTS,
 ) -> None:
     """Every module of a fused group (q/k/v, gate/up) in one shrink and one expand launch:
     y[i, seg] += (x[i] @ A_seg[slot]) @ B_seg[slot] * scale_seg[slot]."""
@@ -231,7 +234,7 @@ def add_lora_group_triton(
         ends = list(segments[1:]) + [y.shape[1]]
         for seg, (start, end) in enumerate(zip(segments, ends)):
             add_lora_triton(y[:, start:end], x, a[:, :, seg * rank : (seg + 1) * rank], b[:, :, start:end],
-                            scale[:, seg], slots)
+                            scale[:, seg], slots, settings=settings)
         return
-    part = lora_shrink(x, a, slots, skip_slot)
-    lora_expand(y, part, b, scale, slots, skip_slot, segments)
+    part = lora_shrink(x, a, slots, skip_slot, settings=settings)
+    lora_expand(y, part, b, scale, slots, skip_slot, segments, settings=settings)

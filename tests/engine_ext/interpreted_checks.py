@@ -47,20 +47,20 @@ def _attn_case(lens, qlens, heads, kvh, d, page, g):
 
 
 def attention():
-    from engine_ext.kernels import triton_attention as ta
+    from engine_ext.kernels import KernelSettings
+    from engine_ext.kernels.triton_attention import paged_attention_triton
 
     g = torch.Generator().manual_seed(0)
     heads, kvh, d = 8, 2, 16
-    settings = [dict(MAX_SPLITS=1, ROWS=16, BLOCK_N=32), dict(MAX_SPLITS=1, ROWS=0, BLOCK_N=16),
-                dict(MAX_SPLITS=4, SPLIT_BUDGET=1 << 16, ROWS=16, BLOCK_N=16)]
+    settings = [KernelSettings(attn_max_splits=1, attn_rows=16, attn_block_n=32),
+                KernelSettings(attn_max_splits=1, attn_rows=0, attn_block_n=16),
+                KernelSettings(attn_max_splits=4, attn_split_budget=1 << 16, attn_rows=16, attn_block_n=16)]
     for lens, qlens in (([37, 5, 2], [1, 1, 1]), ([37, 20, 6], [1, 3, 5])):
         q, kc, vc, meta = _attn_case(lens, qlens, heads, kvh, d, 4, g)
         for window in (None, 5):
             ref = paged_attention(q, kc, vc, meta, 0.25, window)
             for s in settings:
-                for k, v in s.items():
-                    setattr(ta, k, v)
-                _close(ta.paged_attention_triton(q, kc, vc, meta, 0.25, window), ref)
+                _close(paged_attention_triton(q, kc, vc, meta, 0.25, window, settings=s), ref)
 
 
 def fused():
@@ -186,13 +186,20 @@ def engine():
     used = []
     lora_delta = TritonOps.lora_delta
 
-    def counted(*args):
+    def counted(self, *args):
         used.append(1)
-        return lora_delta(*args)
+        return lora_delta(self, *args)
 
-    TritonOps.lora_delta = staticmethod(counted)
-    assert run(lora_backend="triton", attn_backend="triton") == ref
+    TritonOps.lora_delta = counted
+    assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton") == ref
     assert used  # the fused path ran
+    used.clear()
+    assert run(lora_backend="triton", attn_backend="triton") == ref  # the Triton LoRA and attention, torch ops
+    assert not used
+    # other launch settings change nothing
+    assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton",
+               kernels={"attn_block_n": 16, "attn_rows": 0, "norm_chunk": 64, "silu_lora_block": 128,
+                        "expand_block_n": 16, "shrink_warps": 4}) == ref
 
 
 if __name__ == "__main__":

@@ -124,6 +124,12 @@ def test_text_prompts_through_the_tokenizer(llama, tmp_path):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(cuda_graphs=True), "cuda_graphs needs a CUDA device"),
+    (dict(device="cuda", cuda_graphs=True, lora_backend="triton", layer_ops="triton"),
+     "cuda_graphs needs a CUDA device and attn_backend='triton'"),
+    (dict(lora_backend="cuda"), r"unknown lora_backend 'cuda'; choose one of \['torch', 'gather', 'triton'\]"),
+    (dict(attn_backend="flash"), "unknown attn_backend 'flash'"),
+    (dict(layer_ops="fused"), r"unknown layer_ops 'fused'; choose one of \['torch', 'triton'\]"),
+    (dict(kernels={"attn_warps": 3}), "attn_warps must be a power of two"),
     (dict(max_graph_tokens=0), "max_graph_tokens must be >= 1"),
     (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras must be >= max_loras"),
 ])

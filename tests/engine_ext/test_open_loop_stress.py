@@ -19,7 +19,8 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 # Nine adapters over three device slots, near to far from the base, ranks 4 to 32.
 ADAPTERS = {f"ad{i}": dict(r=(4, 8, 16, 32)[i % 4], target_modules=ALL if i % 2 else ("q_proj", "v_proj"),
                            std=(0.01, 0.03, 0.08)[i % 3]) for i in range(9)}
-GPU_FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", cuda_graphs=True, max_graph_tokens=64)
+GPU_FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
+                max_graph_tokens=64)
 BACKENDS = [
     pytest.param({}, id="cpu-torch"),
     pytest.param(GPU_FAST, id="cuda-triton-graphs", marks=pytest.mark.gpu),

@@ -11,7 +11,8 @@ from engine_ext.block_manager import BlockManager
 from tiny_models import build_adapter, build_model
 
 PROMPT = list(range(3, 40))  # 37 tokens: 9 full blocks of 4, the last token computed by every sample
-GPU_FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", cuda_graphs=True, max_graph_tokens=64)
+GPU_FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
+                max_graph_tokens=64)
 BACKENDS = [pytest.param({}, id="cpu-torch"), pytest.param(GPU_FAST, id="cuda-triton-graphs", marks=pytest.mark.gpu)]
 
 

@@ -96,7 +96,8 @@ def test_a_copy_is_issued_once_a_forward_is_queued(setup):
 
 def _engine(model, adapters, fast: bool) -> LLMEngine:
     """fast: False (eager torch), True (Triton + graphs)."""
-    kw = dict(lora_backend="triton", attn_backend="triton", cuda_graphs=True, max_graph_tokens=48) if fast else {}
+    kw = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
+              max_graph_tokens=48) if fast else {}
     engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="float32", max_loras=3, max_lora_rank=MAX_RANK,
                                     block_size=4, max_model_len=128, num_kv_blocks=256, **kw))
     for n, p in adapters.items():

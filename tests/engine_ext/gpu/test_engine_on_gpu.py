@@ -44,7 +44,8 @@ def _engine(model, adapters, spec, **kw):
     return engine
 
 
-FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", cuda_graphs=True, max_graph_tokens=48)
+FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
+            max_graph_tokens=48)
 
 
 @pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False), SpecConfig(num_draft_tokens=2)],
@@ -62,7 +63,8 @@ def test_graphs_and_kernels_reproduce_the_eager_engine(setup, spec):
 
 def test_kernels_without_graphs_reproduce_the_eager_engine(setup):
     model, adapters, expected = setup
-    engine = _engine(model, adapters, None, device="cuda", lora_backend="triton", attn_backend="triton")
+    engine = _engine(model, adapters, None, device="cuda", lora_backend="triton", attn_backend="triton",
+                     layer_ops="triton")
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
     assert [o.token_ids for o in outs] == expected
 

@@ -30,7 +30,7 @@ def _run(model_dir, adapters, requests, spec):
     engine = LLMEngine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_loras=8, max_lora_rank=64,
                                     max_cpu_loras=64, kv_cache_memory_gb=8, max_num_seqs=64,
                                     max_num_batched_tokens=4096, max_model_len=1024, lora_backend="triton",
-                                    attn_backend="triton", cuda_graphs=True, max_graph_tokens=256,
+                                    attn_backend="triton", layer_ops="triton", cuda_graphs=True, max_graph_tokens=256,
                                     speculative=spec, debug_checks=True))
     for n, p in adapters.items():
         engine.add_adapter(n, p)

@@ -24,7 +24,8 @@ ADAPTERS = {
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [3, 3], [50, 60, 70], [5, 4, 3, 2, 1, 9]]
 NAMES = ["near-r8", None, "near-r16", "far-r64", "near-r8", None]  # None: base-only riders
 PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
-FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", cuda_graphs=True, max_graph_tokens=48)
+FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
+            max_graph_tokens=48)
 
 
 def _engine(model, adapters, spec):

@@ -71,21 +71,20 @@ def test_mixed_query_lengths_and_prefill_through_the_dispatching_reference():
 
 
 @pytest.mark.parametrize("setting", [
-    {"BLOCK_N": 64, "NUM_STAGES": 0, "ROWS": 0},  # the settings before the run-8 sweep
-    {"BLOCK_N": 128, "NUM_STAGES": 1, "ROWS": 16},
-    {"BLOCK_N": 32, "NUM_STAGES": 4, "ROWS": 64},
+    {"attn_block_n": 64, "attn_stages": 0, "attn_rows": 0},
+    {"attn_block_n": 128, "attn_stages": 1, "attn_rows": 16},
+    {"attn_block_n": 32, "attn_stages": 4, "attn_rows": 64},
 ])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)])
-def test_every_launch_setting_matches_the_reference(setting, dtype, head_dim, monkeypatch):
-    """The sweep's knobs (key block, pipeline stages, tile rows) change speed, never results;
+def test_every_launch_setting_matches_the_reference(setting, dtype, head_dim):
+    """The launch settings (key block, pipeline stages, tile rows) change speed, never results;
     wide heads and float32 caches shrink the key block to fit shared memory."""
-    from engine_ext.kernels import triton_attention as ta
+    from engine_ext.kernels import KernelSettings
+    from engine_ext.kernels.triton_attention import paged_attention_triton
 
-    for name, value in setting.items():
-        monkeypatch.setattr(ta, name, value)
-    gen = torch.Generator("cuda").manual_seed(head_dim + setting["BLOCK_N"])
+    gen = torch.Generator("cuda").manual_seed(head_dim + setting["attn_block_n"])
     lens, qlens = [300, 5, 129, 64, 17, 400], [1, 5, 5, 1, 3, 1]
     q, kc, vc, meta = _case(lens, qlens, 32, 8, head_dim, 16, dtype, gen)
     ref = paged_attention(q.float(), kc.float(), vc.float(), meta, head_dim**-0.5)
-    out = ta.paged_attention_triton(q, kc, vc, meta, head_dim**-0.5)
+    out = paged_attention_triton(q, kc, vc, meta, head_dim**-0.5, settings=KernelSettings(**setting))
     assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else 1e-2)

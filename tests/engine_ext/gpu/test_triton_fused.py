@@ -161,21 +161,33 @@ def test_group_op_matches_the_per_module_reference(dtype, tokens, fan_in, outs, 
     assert torch.equal(out[base], y0[base])  # the zero slot's tokens are not touched
 
 
-def test_group_op_is_registered_with_the_triton_backend():
-    from engine_ext.kernels import install
-    from engine_ext.kernels.triton_lora import add_lora_group_triton
-    from engine_ext.lora_ops import get_group_lora_op
+def test_the_triton_backend_binds_its_settings(tmp_path):
+    """lora_backend / attn_backend / layer_ops "triton" launch the kernels with EngineConfig.kernels."""
+    from engine_ext import EngineConfig, KernelSettings
+    from engine_ext.backend import Backend
+    from engine_ext.kernels.triton_attention import paged_attention_triton
+    from engine_ext.kernels.triton_fused import TritonOps
+    from engine_ext.kernels.triton_lora import add_lora_group_triton, add_lora_triton
 
-    install()
-    assert get_group_lora_op("triton") is add_lora_group_triton
-    assert get_group_lora_op("torch") is None
+    settings = KernelSettings(attn_block_n=64, shrink_warps=4)
+    config = EngineConfig(model=str(tmp_path), device=DEV, lora_backend="triton", attn_backend="triton",
+                          layer_ops="triton", kernels=settings)
+    backend = Backend.from_config(config, torch.device(DEV))
+    assert backend.lora_op.func is add_lora_triton and backend.lora_op.keywords == {"settings": settings}
+    assert backend.group_lora_op.func is add_lora_group_triton
+    assert backend.group_lora_op.keywords["settings"] is settings
+    assert backend.attention.func is paged_attention_triton and backend.attention.keywords["settings"] is settings
+    assert isinstance(backend.layer_ops, TritonOps) and backend.layer_ops.settings is settings
+    assert backend.layer_ops.side_branch.stream is not None
+    plain = Backend.from_config(EngineConfig(model=str(tmp_path), device=DEV), torch.device(DEV))
+    assert plain.group_lora_op is None and plain.attention is None and not isinstance(plain.layer_ops, TritonOps)
 
 
 # ---------------------------------------------------------------- LoRA folded into the element-wise kernels
 def test_o_delta_on_the_side_stream_equals_the_in_place_op():
     """lora_delta (shrink + store-mode expand, float32) on a SideBranch, joined, then added to the base
     output: add_lora_triton's result, in and out of a CUDA graph."""
-    from engine_ext.kernels.triton_fused import side_branch
+    from engine_ext.kernels.triton_fused import SideBranch
     from engine_ext.kernels.triton_lora import add_lora_triton, lora_delta
 
     g = _gen(7)
@@ -188,7 +200,7 @@ def test_o_delta_on_the_side_stream_equals_the_in_place_op():
     y0 = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
     ref = y0.clone()
     add_lora_triton(ref, x, a, b, scale, slots)
-    branch = side_branch(x.device)
+    branch = SideBranch(x.device)
 
     def forward():
         with branch:
@@ -220,8 +232,21 @@ def _slot_stack(num_slots, rows, cols, g, dtype, scale=1.0):
 def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     """One layer's q/k/v and gate/up/down LoRA through the fused kernels against the reference composition:
     norm, base output + per-module LoRA (lora_ops reference), then rotary/KV write and SiLU (TorchOps)."""
-    from engine_ext.kernels.triton_fused import add_rms_norm, rope_write_kv, silu_mul
-    from engine_ext.kernels.triton_lora import expand_delta, lora_expand
+    from engine_ext.kernels import KernelSettings
+
+    _check_lora_folding(dtype, tokens, rank, runs, KernelSettings())
+
+
+def _check_lora_folding(dtype, tokens, rank, runs, settings):
+    from functools import partial
+
+    from engine_ext.kernels import triton_lora
+    from engine_ext.kernels.triton_fused import TritonOps
+
+    ops = TritonOps(settings, torch.device(DEV))
+    add_rms_norm, rope_write_kv, silu_mul = ops.add_rms_norm, ops.rope_write_kv, ops.silu_mul
+    expand_delta = ops.expand_delta
+    lora_expand = partial(triton_lora.lora_expand, settings=settings)
 
     g = _gen(tokens * 131 + rank)
     hidden, inter, heads, kv_heads, head_dim, num_slots = 2048, 8192, 32, 8, 64, 9
@@ -291,17 +316,13 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
 
 
 @pytest.mark.parametrize("setting", [
-    {"_NORM_CHUNK": 64, "_NORM_LORA_WARPS": 1, "_SILU_LORA_BLOCK": 128, "_SILU_LORA_WARPS": 2, "_ROPE_LORA_WARPS": 2},
-    {"_NORM_CHUNK": 256, "_NORM_LORA_BK": 64, "_SILU_LORA_BLOCK": 1024, "_SILU_LORA_SB": 128, "_ROPE_LORA_WARPS": 4},
+    {"norm_chunk": 64, "norm_lora_warps": 1, "silu_lora_block": 128, "silu_lora_warps": 2, "rope_lora_warps": 2},
+    {"norm_chunk": 256, "norm_lora_bk": 64, "silu_lora_block": 1024, "silu_lora_sb": 128, "rope_lora_warps": 4},
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_lora_folding_under_other_launch_settings(setting, dtype, monkeypatch):
-    """bench/fused_sweep.py's knobs change tiling and the number of partials (up to 64 down-shrink partials
-    summed by the expand), never results."""
-    from engine_ext.kernels import triton_fused, triton_lora
+def test_lora_folding_under_other_launch_settings(setting, dtype):
+    """The launch settings change tiling and the number of partials (up to 64 down-shrink partials summed by
+    the expand), never results."""
+    from engine_ext.kernels import KernelSettings
 
-    for name, value in setting.items():
-        monkeypatch.setattr(triton_fused, name, value)
-    monkeypatch.setattr(triton_lora, "_EXPAND_BLOCK_N", 128)
-    monkeypatch.setattr(triton_lora, "_EXPAND_WARPS", 2)
-    test_lora_folded_into_norm_rope_and_silu(dtype, 32, 16, False)
+    _check_lora_folding(dtype, 32, 16, False, KernelSettings(**setting, expand_block_n=128, expand_warps=2))

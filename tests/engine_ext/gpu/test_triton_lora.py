@@ -80,15 +80,6 @@ def test_writes_only_its_column_slice_of_a_fused_output():
     assert _rel(fused[:, 96:192] - before[:, 96:192], ref - before[:, 96:192].float()) < 1e-2
 
 
-def test_registered_as_the_triton_backend():
-    from engine_ext.kernels import install
-    from engine_ext.kernels.triton_lora import add_lora_triton
-    from engine_ext.lora_ops import get_lora_op
-
-    install()
-    assert get_lora_op("triton") is add_lora_triton
-
-
 def test_graph_replay_follows_a_new_slot_mix_without_recapture():
     from engine_ext.kernels.triton_lora import add_lora_triton
 

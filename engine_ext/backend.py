@@ -1,0 +1,59 @@
+"""The kernels an engine runs, chosen once from its EngineConfig: the model is built with `layer_ops`, the
+model runner (and its CUDA graphs) pass the LoRA ops and the attention kernel to every forward.
+
+Each choice is "torch" (the plain-torch references, any device) or "triton" (the GPU kernels, launched with
+the config's KernelSettings):
+- lora_backend: the batched LoRA op, and for "triton" also the one-launch op of a fused q/k/v or gate/up
+  group ("gather": the per-token torch reference);
+- attn_backend: paged attention;
+- layer_ops: the decoder layer's element-wise work (norms, rotary + KV write, SiLU); "triton" fuses it and,
+  with lora_backend "triton" too, folds the LoRA math of decode-sized forwards into the same kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from .config import EngineConfig
+from .lora_ops import LoRAOp, get_lora_op
+from .model import LayerOps, TorchOps
+
+
+@dataclass(frozen=True)
+class Backend:
+    layer_ops: LayerOps
+    lora_op: LoRAOp
+    # op(y, x, A [S, in, nseg*R], B [S, R, out_total], scale [S, nseg], slots, segment starts), or None: each
+    # module of a fused group is applied with lora_op on its column slice
+    group_lora_op: Callable | None
+    attention: Callable | None  # AttnMetadata.kernel; None: attention.paged_attention's torch reference
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, device: torch.device) -> Backend:
+        settings = config.kernels
+        if config.uses_triton and config.compile_cache_dir:
+            from .kernels import set_cache_dir
+
+            set_cache_dir(config.compile_cache_dir)
+        if config.lora_backend == "triton":
+            from .kernels.triton_lora import add_lora_group_triton, add_lora_triton
+
+            lora_op = partial(add_lora_triton, settings=settings)
+            group_lora_op = partial(add_lora_group_triton, settings=settings)
+        else:
+            lora_op, group_lora_op = get_lora_op(config.lora_backend), None
+        attention = None
+        if config.attn_backend == "triton":
+            from .kernels.triton_attention import paged_attention_triton
+
+            attention = partial(paged_attention_triton, settings=settings)
+        layer_ops: LayerOps = TorchOps()
+        if config.layer_ops == "triton":
+            from .kernels.triton_fused import TritonOps
+
+            layer_ops = TritonOps(settings, device)
+        return cls(layer_ops, lora_op, group_lora_op, attention)

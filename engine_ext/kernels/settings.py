@@ -1,0 +1,83 @@
+"""Launch settings of the Triton kernels, as one validated value (EngineConfig.kernels).
+
+They change how the kernels tile and launch their work, never their results (the GPU tests run the kernels
+under other settings against the plain-torch references). The defaults are the best measured on the H200 at
+the Llama-3.2-1B shape (bench/RESULTS.md; bench/forward_ab.py compares settings in the whole forward,
+bench/attn_sweep.py and bench/fused_sweep.py kernel by kernel). A 0 where a field allows it means "derived
+from the shapes". Importable without Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["KernelSettings"]
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    # ---- paged attention (triton_attention.py)
+    # Keys per inner step; halved while the K and V tiles of every pipeline stage exceed the shared-memory
+    # budget (wide heads, float32 caches).
+    attn_block_n: int = 128
+    attn_stages: int = 2  # software-pipeline stages of the key loop; 0: Triton's default
+    attn_warps: int = 4
+    # Tile rows (query tokens x the heads of one KV head group): a run of up to attn_rows // group query
+    # tokens of one sequence shares every K/V page it reads. 0: at least 8 query tokens per tile.
+    attn_rows: int = 16
+    # Split-KV: at small batches one program per (token, KV head) leaves most of the chip idle while it walks
+    # the context, so each context is split into up to attn_max_splits shares, as many as keep tokens x KV
+    # heads x splits near attn_split_budget programs. It pays at small batches and costs at large ones,
+    # hence the small budget.
+    attn_max_splits: int = 8
+    attn_split_budget: int = 256
+    # ---- fused element-wise kernels with LoRA folded in (triton_fused.py)
+    norm_chunk: int = 128  # columns of one add_rms_norm program (its share of the row and of the shrink)
+    norm_lora_bk: int = 0  # columns per inner step of add_rms_norm's shrink (its A tile); 0: from the rank
+    norm_lora_warps: int = 2
+    rope_lora_warps: int = 1
+    # Columns of one silu_mul program with LoRA: more, smaller programs than without (each also reads its B
+    # and A_down tiles).
+    silu_lora_block: int = 512
+    silu_lora_sb: int = 0  # columns per inner step of silu_mul with LoRA; 0: from the rank
+    silu_lora_warps: int = 2
+    # ---- split LoRA shrink / expand (triton_lora.py)
+    shrink_warps: int = 2
+    expand_warps: int = 4
+    expand_block_n: int = 0  # the expand's column tile; 0: from the rank
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"KernelSettings.{f.name} must be an int, got {value!r}")
+        for name in ("attn_warps", "norm_lora_warps", "rope_lora_warps", "silu_lora_warps", "shrink_warps",
+                     "expand_warps"):
+            _check_pow2(name, getattr(self, name), 1, 32)
+        # Tile sides of tl.arange / tl.dot: powers of two, at least 16
+        for name in ("attn_block_n", "norm_chunk", "silu_lora_block"):
+            _check_pow2(name, getattr(self, name), 16, 1 << 16)
+        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows"):
+            if getattr(self, name):
+                _check_pow2(name, getattr(self, name), 16, 1 << 16, zero=True)
+        _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
+        if self.attn_stages < 0:
+            raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
+        if self.attn_split_budget < 1:
+            raise ValueError(f"KernelSettings.attn_split_budget must be >= 1, got {self.attn_split_budget}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KernelSettings:
+        """From a (JSON) dict of some fields; the rest keep their defaults. Unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown kernel settings {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def _check_pow2(name: str, value: int, low: int, high: int, zero: bool = False) -> None:
+    if not low <= value <= high or value & (value - 1):
+        allowed = f"0 or a power of two in {low}..{high}" if zero else f"a power of two in {low}..{high}"
+        raise ValueError(f"KernelSettings.{name} must be {allowed}, got {value}")

@@ -1,0 +1,47 @@
+"""The kernels an engine runs are chosen once from its EngineConfig (backend.Backend) and the model is built
+with its element-wise ops; only ops that fold LoRA take the LoRA math, and only at decode sizes."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine_ext import EngineConfig
+from engine_ext.backend import Backend
+from engine_ext.lora_ops import add_lora_dense, add_lora_reference
+from engine_ext.model import CausalLM, TorchOps
+from engine_ext.model_config import ModelSpec, RopeSpec
+
+SPEC = ModelSpec(architecture="LlamaForCausalLM", vocab_size=31, hidden_size=32, intermediate_size=48, num_layers=2,
+                 num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope=RopeSpec(theta=1e4),
+                 tie_word_embeddings=True, max_position_embeddings=64, sliding_windows=(None,) * 2,
+                 eos_token_ids=(0,))
+GROUPED = SimpleNamespace(groups={})  # a LoRABatch with the slots' fused group stacks
+
+
+@pytest.mark.parametrize("lora_backend,op", [("torch", add_lora_dense), ("gather", add_lora_reference)])
+def test_the_plain_torch_backend(tmp_path, lora_backend, op):
+    backend = Backend.from_config(EngineConfig(model=str(tmp_path), lora_backend=lora_backend), torch.device("cpu"))
+    assert isinstance(backend.layer_ops, TorchOps)
+    assert backend.lora_op is op and backend.group_lora_op is None and backend.attention is None
+
+
+def test_torch_ops_never_fold_lora():
+    model = CausalLM(SPEC, torch.float32, TorchOps())
+    assert not model.folds_lora(GROUPED, 1)
+
+
+class _FoldingOps(TorchOps):
+    fuses_lora = True
+    max_fused_lora_tokens = 4
+
+
+@pytest.mark.parametrize("lora,tokens,folds", [
+    (GROUPED, 4, True),
+    (GROUPED, 5, False),  # past the decode sizes: the group op after each product
+    (SimpleNamespace(groups=None), 1, False),  # no fused group stacks to pass
+    (None, 1, False),  # no adapters in the batch
+])
+def test_folding_ops_take_the_lora_math_at_decode_sizes(lora, tokens, folds):
+    model = CausalLM(SPEC, torch.float32, _FoldingOps())
+    assert model.folds_lora(lora, tokens) is folds
