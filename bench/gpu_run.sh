@@ -64,7 +64,7 @@ for step in $STEPS; do
         --vfar-scale 100 --gen 64 --sections engine --kernel-settings "$KERNEL_SETTINGS" \
         --out "$OUT/gate.json" 2>&1 | quiet >"$OUT/gate.log"
       echo "gate rc $?" ;;
-    gate16)  # point 3 at rank 16, and point 2's HF PEFT peer on the same mix, in one run
+    gate16)  # point 3 at rank 16, and the HF peers (bench/hf_peer.py: base-only generate, PEFT mixed batch) on the same mix
       timeout 200 python3 bench/decode.py --peaked --ranks 16 --batches 32 --adapters 0 32 --near-scale 0.1 \
         --gen 64 --hf --sections engine --kernel-settings "$KERNEL_SETTINGS" \
         --out "$OUT/gate16_hf.json" 2>&1 | quiet >"$OUT/gate16_hf.log"

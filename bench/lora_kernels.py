@@ -5,7 +5,7 @@ distinct adapters' weights take (the floor at 4.3 TB/s). Prints JSON.
     python bench/lora_kernels.py
 Variants: "per-module" (seven shrink+expand pairs per layer), "group" (one shrink+expand pair per
 group). A third, one launch per group (shrink and expand in one kernel, each column tile re-reading
-its adapter's A), was measured slower at every point and removed (bench/RESULTS.md).
+its adapter's A), was measured slower at every point and removed (`git show 211e305:bench/RESULTS.md`).
 """
 
 from __future__ import annotations

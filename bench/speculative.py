@@ -27,7 +27,7 @@ DEMO_PROMPTS = ["def ", "class ", "import os\n", "    return ", "The ", "# ", "i
 
 def setup(args, tdtype):
     if args.demo:
-        from engine_ext.demo import ensure_demo
+        from demo import ensure_demo
 
         paths = ensure_demo()
         return paths["model"], paths["adapters"]

@@ -32,7 +32,7 @@ def make_registry(cfg: AppConfig, extra_local_roots: Optional[list[Path]] = None
 
 def demo_paths(cfg: AppConfig) -> dict:
     """{"model": dir, "adapters": {name: dir}} of the embedded demo, built on first use."""
-    from engine_ext.demo import DEFAULT_RECIPE, ensure_demo, quick_recipe
+    from demo import DEFAULT_RECIPE, ensure_demo, quick_recipe
 
     return ensure_demo(recipe=quick_recipe() if cfg.demo_recipe == "quick" else DEFAULT_RECIPE)
 
@@ -76,7 +76,7 @@ def bootstrap(cfg: AppConfig) -> AppConfig:
     demo_adapters: dict[str, str] = {}
     aliases: list[str] = []
     if cfg.model is None:
-        from engine_ext.demo.recipe import BASE_MODEL_NAME
+        from demo.recipe import BASE_MODEL_NAME
 
         aliases = [BASE_MODEL_NAME]  # the name the demo adapters' configs cite
         paths = demo_paths(cfg)

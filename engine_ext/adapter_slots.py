@@ -29,8 +29,8 @@ SCALE_COLUMNS = tuple(m for modules in LORA_GROUPS.values() for m in modules)  #
 _ALIGN = 64  # elements: every block of a row starts 128-byte aligned (vector loads in the kernels)
 # Copies go out in chunks so the step's own small uploads (batch metadata) wait behind one chunk on the
 # copy engine, not behind a whole adapter; at 4 MiB a chunk still runs at full PCIe speed. Each chunk costs
-# the issuing (step) thread an API call. Measured on the H200 (bench/RESULTS.md, fourth pass): one copy per
-# adapter loaded no faster (1.32x the copy time against 1.26x at 4 MiB chunks, rank 16).
+# the issuing (step) thread an API call. Measured on the H200 (`git show 211e305:bench/RESULTS.md`, fourth
+# pass): one copy per adapter loaded no faster (1.32x the copy time against 1.26x at 4 MiB chunks, rank 16).
 _COPY_CHUNK_BYTES = 4 << 20
 
 

@@ -102,10 +102,10 @@ def test_dquote_adapter_shifts_preference_to_double_quotes(hf):
     log-probability of the tokens that hold a double quote, and barely moves the others. Judged over every such
     token rather than one prompt, whose margin moves with the build's library versions (+1.3 nats on one build,
     +0.1 on a transformers 5.24 / tokenizers 0.23 build)."""
-    from engine_ext.demo.corpus import build_domains, stdlib_root
-    from engine_ext.demo.recipe import DEFAULT_RECIPE
-    from engine_ext.demo.tokenizer import encode_documents
-    from engine_ext.demo.train import pack
+    from demo.corpus import build_domains, stdlib_root
+    from demo.recipe import DEFAULT_RECIPE
+    from demo.tokenizer import encode_documents
+    from demo.train import pack
 
     tok, model = hf
     domains = build_domains(stdlib_root(), DEFAULT_RECIPE.corpus)
@@ -126,10 +126,10 @@ def test_dquote_adapter_shifts_preference_to_double_quotes(hf):
 
 def test_agreement_in_metrics_is_reproduced_by_transformers_peft(hf, demo_paths):
     """Recompute greedy agreement for the nearest and farthest adapters on the build's own held-out blocks."""
-    from engine_ext.demo.corpus import build_domains, stdlib_root
-    from engine_ext.demo.recipe import DEFAULT_RECIPE
-    from engine_ext.demo.tokenizer import encode_documents
-    from engine_ext.demo.train import pack
+    from demo.corpus import build_domains, stdlib_root
+    from demo.recipe import DEFAULT_RECIPE
+    from demo.tokenizer import encode_documents
+    from demo.train import pack
 
     metrics = json.loads((Path(demo_paths["model"]).parent / "metrics.json").read_text())["adapters"]
     agreements = {name: m["own"]["agreement"] for name, m in metrics.items()}

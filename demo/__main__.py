@@ -1,4 +1,4 @@
-"""`python -m engine_ext.demo build` -> last line of stdout is {"model": DIR, "adapters": {NAME: DIR}}.
+"""`python -m demo build` -> last line of stdout is {"model": DIR, "adapters": {NAME: DIR}}.
 
   build                       build into the cache (LORASERVE_CACHE or ~/.cache/loraserve) unless already there
   build --out DIR             build into DIR in this process (what the cache runs in a child process)
@@ -17,7 +17,7 @@ from .recipe import DEFAULT_RECIPE, quick_recipe, recipe_from_dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_ext.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or find) the demo model and adapters")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         from .evaluate import results_table
         paths = ensure_demo(args.cache_dir)
         metrics = json.loads((Path(paths["model"]).parent / "metrics.json").read_text())
-        print(results_table(metrics, "python -m engine_ext.demo build && python -m engine_ext.demo report"))
+        print(results_table(metrics, "python -m demo build && python -m demo report"))
         return 0
 
     if args.recipe_json:

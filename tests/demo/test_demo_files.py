@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from engine_ext.demo import DemoBuildError, verify_demo
-from engine_ext.demo.recipe import ALL_PROJECTIONS, ATTENTION_MODULES
+from demo import DemoBuildError, verify_demo
+from demo.recipe import ALL_PROJECTIONS, ATTENTION_MODULES
 
 
 def test_model_dir_is_a_small_gqa_llama_with_tied_embeddings(demo_paths):

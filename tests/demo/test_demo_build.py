@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.demo import ensure_demo, quick_recipe
-from engine_ext.demo.build import MANIFEST, file_hashes
+from demo import ensure_demo, quick_recipe
+from demo.build import MANIFEST, file_hashes
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli_build(out: Path, *extra: str) -> dict:
     """The real command, in its own process (it pins torch threads), with the tiny --quick recipe."""
-    proc = subprocess.run([sys.executable, "-m", "engine_ext.demo", "build", "--quick", "--out", str(out), *extra],
+    proc = subprocess.run([sys.executable, "-m", "demo", "build", "--quick", "--out", str(out), *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])   # contract: the last line is the JSON

@@ -19,7 +19,7 @@ from .build import MANIFEST, demo_paths, file_hashes
 from .recipe import DEFAULT_RECIPE, Recipe, recipe_key, recipe_to_dict
 
 ENV_CACHE = "LORASERVE_CACHE"
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]   # the directory holding engine_ext/
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]   # the directory holding demo/
 
 
 class DemoBuildError(RuntimeError):
@@ -64,7 +64,7 @@ def _build_atomically(final: Path, recipe: Recipe, log) -> None:
         recipe_file.write_text(json.dumps(recipe_to_dict(recipe)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_PACKAGE_ROOT),
                                                                          os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-m", "engine_ext.demo", "build", "--out", str(tmp / "build"),
+        cmd = [sys.executable, "-m", "demo", "build", "--out", str(tmp / "build"),
                "--recipe-json", str(recipe_file)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail: list[str] = []
