@@ -1,7 +1,10 @@
-"""Fixtures shared by the engine tests: the embedded demo model and adapters (built once, then cached)."""
+"""Fixtures shared by the engine tests: the embedded demo model and adapters (built once, then cached), and the
+backend a suite runs on."""
 from __future__ import annotations
 
 import pytest
+
+from backends import BACKENDS, skip_unless_available
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +30,11 @@ def demo_hf(demo_paths):
     for name in names[1:]:
         model.load_adapter(demo_paths["adapters"][name], adapter_name=name)
     return tok, model.eval()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> dict:
+    """EngineConfig fields of one backend (backends.py): a test asking for it runs once per backend, the GPU
+    ones marked `gpu` and skipped where CUDA or Triton is missing."""
+    skip_unless_available(request.param)
+    return dict(request.param)
