@@ -124,6 +124,7 @@ def test_text_prompts_through_the_tokenizer(llama, tmp_path):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(cuda_graphs=True), "cuda_graphs needs a CUDA device"),
+    (dict(device="cuda", cuda_graphs=True), "cuda_graphs needs a CUDA device and attn_backend='triton'"),
     (dict(max_graph_tokens=0), "max_graph_tokens must be >= 1"),
     (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras must be >= max_loras"),
 ])
