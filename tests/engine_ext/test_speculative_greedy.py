@@ -2,9 +2,10 @@
 Greedy batches take the one-sync cycle (every pass's ids gathered on the device); a sampled request in
 the batch sends a cycle down the pass-by-pass path, and both give the plain output.
 
-The suite runs on every backend (the `backend` fixture): the plain-torch engine on the CPU, and the Triton
-kernels with CUDA graphs on a GPU, where plain decoding also equals the plain-torch kernels' (run eagerly, and
-with the Triton kernels but no graphs), adapters swap through fewer slots than the graphs were captured with,
+The suite runs on every backend (the `backend` fixture): the plain-torch engine on the CPU and the Triton
+kernels with CUDA graphs on a GPU; there too adapters swap through two slots (on the GPU against graphs
+captured once) and forwards queued back to back read their ids from the device. On the GPU only: plain
+decoding equals that of the plain-torch kernels run eagerly (for the Triton kernels with graphs and without),
 and a greedy cycle makes the host wait for the device once. The stop-string tests run on the CPU."""
 
 import warnings
@@ -232,8 +233,8 @@ def test_identical_with_adapters_swapping_through_two_slots(setup, backend, spec
         assert graphs.capture_seconds is not None and len(graphs.graphs) == 2 * len(graphs.buckets)
 
 
-@pytest.mark.parametrize("backend", [param(CUDA_TRITON, "cuda-triton"), param(CUDA_TRITON_GRAPHS, "cuda-triton-graphs")],
-                         indirect=True)
+@pytest.mark.parametrize("backend", [param(CUDA_TRITON, "cuda-triton"),
+                                     param(CUDA_TRITON_GRAPHS, "cuda-triton-graphs")], indirect=True)
 def test_plain_decoding_equals_the_plain_torch_kernels(setup, backend):
     """The backend's kernels (with or without graphs) give the tokens of the plain-torch kernels run eagerly on
     the same device, with the adapters swapping through two slots."""
