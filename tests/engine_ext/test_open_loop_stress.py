@@ -4,8 +4,8 @@ preemption (a KV cache too small for everything at once), with speculation off, 
 every forward's indices bounds-checked on the host (`debug_checks`). Every request must finish, the KV
 cache must come back whole, and greedy outputs must equal plain decoding's token for token.
 
-One suite for both backends: the plain-torch engine on the CPU, and the Triton kernels with CUDA graphs on a
-GPU (marked `gpu`, run on the device)."""
+Runs on every backend (the `backend` fixture): the plain-torch engine on the CPU, and the Triton kernels with
+CUDA graphs on a GPU (marked `gpu`, run on the device)."""
 
 import pytest
 import torch
@@ -19,12 +19,6 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 # Nine adapters over three device slots, near to far from the base, ranks 4 to 32.
 ADAPTERS = {f"ad{i}": dict(r=(4, 8, 16, 32)[i % 4], target_modules=ALL if i % 2 else ("q_proj", "v_proj"),
                            std=(0.01, 0.03, 0.08)[i % 3]) for i in range(9)}
-GPU_FAST = dict(device="cuda", lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
-                max_graph_tokens=64)
-BACKENDS = [
-    pytest.param({}, id="cpu-torch"),
-    pytest.param(GPU_FAST, id="cuda-triton-graphs", marks=pytest.mark.gpu),
-]
 MODES = {"plain": None, "gated-k4": SpecConfig(num_draft_tokens=4), "forced-k3": SpecConfig(num_draft_tokens=3, gate=False)}
 
 
@@ -50,10 +44,6 @@ def workload(tmp_path_factory):
 
 
 def _run(workload, backend, spec):
-    if backend and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if backend:
-        pytest.importorskip("triton")
     model, adapters, requests = workload
     # 44 blocks of 4 tokens: room for a handful of the longest requests at once, so some are preempted
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", max_loras=3, block_size=4, num_kv_blocks=44,
@@ -71,7 +61,6 @@ def plain_reference():
     return {}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_request_finishes_and_greedy_output_equals_plain(workload, backend, mode, plain_reference):
     key = tuple(sorted(backend))

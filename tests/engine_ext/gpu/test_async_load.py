@@ -4,6 +4,7 @@ evicts before its copy lands, and running requests that never notice a cold adap
 import pytest
 import torch
 
+from backends import CUDA_TORCH, CUDA_TRITON_GRAPHS
 from engine_ext import EngineConfig, LLMEngine, SamplingParams
 from engine_ext.adapter_slots import AdapterSlots, pack_adapter
 from engine_ext.lora_adapter import load_lora_adapter
@@ -96,10 +97,9 @@ def test_a_copy_is_issued_once_a_forward_is_queued(setup):
 
 def _engine(model, adapters, fast: bool) -> LLMEngine:
     """fast: False (eager torch), True (Triton + graphs)."""
-    kw = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
-              max_graph_tokens=48) if fast else {}
-    engine = LLMEngine(EngineConfig(model=model, device="cuda", dtype="float32", max_loras=3, max_lora_rank=MAX_RANK,
-                                    block_size=4, max_model_len=128, num_kv_blocks=256, **kw))
+    backend = CUDA_TRITON_GRAPHS if fast else CUDA_TORCH
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", max_loras=3, max_lora_rank=MAX_RANK, block_size=4,
+                                    max_model_len=128, num_kv_blocks=256, **backend))
     for n, p in adapters.items():
         engine.add_adapter(n, p)
     return engine

@@ -10,6 +10,7 @@ import tempfile
 import pytest
 import torch
 
+from backends import CUDA_TRITON_GRAPHS
 from bench.serve_load import StepClock, build_workload, replay
 from bench.traffic import TrafficConfig, generate
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
@@ -27,11 +28,10 @@ SCALES = (0.1,)
 
 
 def _run(model_dir, adapters, requests, spec):
-    engine = LLMEngine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_loras=8, max_lora_rank=64,
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", max_loras=8, max_lora_rank=64,
                                     max_cpu_loras=64, kv_cache_memory_gb=8, max_num_seqs=64,
-                                    max_num_batched_tokens=4096, max_model_len=1024, lora_backend="triton",
-                                    attn_backend="triton", layer_ops="triton", cuda_graphs=True, max_graph_tokens=256,
-                                    speculative=spec, debug_checks=True))
+                                    max_num_batched_tokens=4096, max_model_len=1024, speculative=spec,
+                                    debug_checks=True, **dict(CUDA_TRITON_GRAPHS, max_graph_tokens=256)))
     for n, p in adapters.items():
         engine.add_adapter(n, p)
     records = replay(engine, requests, StepClock(dt=0.02),
