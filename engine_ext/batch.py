@@ -102,12 +102,16 @@ def build_forward_batch(work: list[SeqWork], block_size: int, zero_slot: int, de
     """pack_forward unpadded into fresh host arrays, moved to `device` in two copies. With `limits` (debug mode)
     the packed indices are bounds-checked first (check_packed)."""
     num_tokens = sum(len(w.token_ids) for w in work)
-    rows = np.empty((NUM_ROWS, num_tokens), dtype=np.int64)
+    # Each row of the packed buffer is one kernel argument: a row stride of a multiple of 16 elements keeps every
+    # row 128-byte aligned whatever the token count, so the kernels (which Triton specialises on 16-byte
+    # alignment) see the alignment they were compiled for at warm-up.
+    buffer = np.empty((NUM_ROWS, -(-num_tokens // 16) * 16), dtype=np.int64)
+    rows = buffer[:, :num_tokens]
     tables = np.empty((len(work), max(len(w.block_table) for w in work)), dtype=np.int64)
     num_tokens, num_logits = pack_forward(work, block_size, zero_slot, rows, tables)
     if limits is not None:
         check_packed(rows, tables, len(work), num_tokens, num_logits, limits)
-    r = torch.from_numpy(rows).to(device).unbind()
+    r = [row[:num_tokens] for row in torch.from_numpy(buffer).to(device).unbind()]
     return ForwardBatch(
         input_ids=r[IDS],
         attn=AttnMetadata(

@@ -265,10 +265,11 @@ def test_greedy_cycle_syncs_the_host_once(setup, backend, monkeypatch):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                cycle(*args)
+                result = cycle(*args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return result
 
     monkeypatch.setattr(engine.cycle, "_greedy", counted)
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
