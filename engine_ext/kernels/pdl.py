@@ -7,7 +7,7 @@ also lets the next PDL kernel be scheduled at once (griddepcontrol.launch_depend
 rotary kernel's attention then waits, resident, for it to finish).
 
 Only launches of up to MAX_TOKENS tokens use it: at decode sizes (one wave of programs) the overlap shortens
-the forward, while forwards of several waves (the verify passes) measured slower with it (bench/RESULTS.md).
+the forward, while forwards of several waves (the verify passes) measured slower with it (`git show 211e305:bench/RESULTS.md`).
 It needs a CUDA device of compute capability 9.0 or later; tensors elsewhere (the CPU tensors of Triton's
 interpreter) launch without it. A kernel takes a `PDL` constexpr and calls `wait_then_release(PDL)` first;
 its launch passes `**launch(num_tokens, device)` (the constexpr and the launch option together).

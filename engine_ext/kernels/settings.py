@@ -2,7 +2,7 @@
 
 They change how the kernels tile and launch their work, never their results (the GPU tests run the kernels
 under other settings against the plain-torch references). The defaults are the best measured on the H200 at
-the Llama-3.2-1B shape (bench/RESULTS.md; bench/forward_ab.py compares settings in the whole forward,
+the Llama-3.2-1B shape (measurements in `git show 211e305:bench/RESULTS.md`; bench/forward_ab.py compares settings in the whole forward,
 bench/attn_sweep.py and bench/fused_sweep.py kernel by kernel). A 0 where a field allows it means "derived
 from the shapes". Importable without Triton.
 """

@@ -381,7 +381,7 @@ class TritonOps:
     float32 buffers) on `side_branch` beside their products, for the next add_rms_norm's `extra`.
 
     The products stay cuBLAS's (F.linear): at decode sizes it is faster than a split-K Triton GEMM with the
-    LoRA expands in its epilogue for every product but the LM head (bench/RESULTS.md)."""
+    LoRA expands in its epilogue for every product but the LM head (`git show 211e305:bench/RESULTS.md`)."""
 
     fuses_lora = True
     max_fused_lora_tokens = MAX_FUSED_LORA_TOKENS
