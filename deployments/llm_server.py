@@ -26,12 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 def engine_config(cfg: AppConfig, model_dir: str):
-    from engine_ext import EngineConfig, SpecConfig
+    """The replica's `EngineConfig`: the app's resolved `engine` section on `model_dir`."""
+    from deployments.engine_settings import build_engine_config
 
-    spec = SpecConfig(num_draft_tokens=cfg.speculative_draft_tokens) if cfg.speculative_draft_tokens else None
-    return EngineConfig(model=model_dir, device=cfg.device, dtype=cfg.dtype, max_loras=cfg.max_loras,
-                        max_lora_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras, block_size=cfg.block_size,
-                        num_kv_blocks=cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs, speculative=spec)
+    return build_engine_config(cfg.engine, model_dir)
 
 
 @dataclass
