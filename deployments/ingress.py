@@ -60,7 +60,8 @@ class OpenAIIngress:
         cfg = AppConfig.model_validate(config)
         self.cfg = cfg
         self.registry = make_registry(cfg)
-        self.placement = None if placement is None else PlacementReporter(placement, cfg.placement_period_s)
+        self.placement = None if placement is None else PlacementReporter(placement, cfg.placement_period_s,
+                                                                          on_reports=self._export_reports)
         admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}})
         rates = lambda specs: {k: (v.rate, v.burst) for k, v in specs.items()}  # noqa: E731
         limiter = RateLimiter((cfg.tenant_rate.rate, cfg.tenant_rate.burst),
@@ -84,9 +85,19 @@ class OpenAIIngress:
             registry_errors=(AdapterNotFound, AdapterDisabled),
         )
 
+    def _export_reports(self, reports: dict[str, dict[str, Any]]) -> None:
+        """The replicas' timer reports into /metrics. An open /metrics names public adapters only (the
+        registry's public listing), like the series that ride on responses."""
+        public = None
+        if self.cfg.metrics_token is None:
+            public = {r.name for r in self.registry.list_adapters(None)}
+        keep = (lambda key: True) if public is None else (lambda key: adapter_family(key) in public)  # noqa: E731
+        self.deps.metrics.replicas.replace_all(reports, keep)
+
     def __serve_build_asgi_app__(self):
         app = create_openai_app(self.deps)
         if self.placement is not None:
+            app.add_event_handler("startup", self.placement.start)  # replica reports flow before any request
             self.deps.metrics.registry.register(PlacementTiers(self.placement.tiers))
             add_placement_route(app, self.placement, self.cfg.admin_token, self.cfg.admin_prefix)
         return app

@@ -35,7 +35,7 @@ class LLMDeployment:
         publish = residency_publisher() if cfg.push_residency else None
         sync = None
         if placement is not None:  # a handle to PlacementControllerDeployment
-            sync = lambda rid: placement.sync.remote(rid)  # noqa: E731 - awaiting a handle call gives its result
+            sync = lambda rid, report: placement.sync.remote(rid, report)  # noqa: E731 - awaiting gives the result
         self.server = LLMServer(cfg, engine, make_registry(cfg), replica_id, publish, placement_sync=sync)
         await self.server.start()
 
