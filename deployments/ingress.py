@@ -51,7 +51,8 @@ class ServeLLMClient:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, config: dict[str, Any], placement: Optional[DeploymentHandle] = None):
+    async def __init__(self, llm: DeploymentHandle, config: dict[str, Any],
+                       placement: Optional[DeploymentHandle] = None):
         from registry import AdapterDisabled, AdapterNotFound
         from registry.api import create_app as create_admin_app
 
@@ -84,6 +85,8 @@ class OpenAIIngress:
             admin_prefix=cfg.admin_prefix,
             registry_errors=(AdapterNotFound, AdapterDisabled),
         )
+        if self.placement is not None:
+            self.placement.start()  # on the replica's event loop: replica reports flow before any request
 
     def _export_reports(self, reports: dict[str, dict[str, Any]]) -> None:
         """The replicas' timer reports into /metrics. An open /metrics names public adapters only (the
@@ -97,7 +100,6 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         app = create_openai_app(self.deps)
         if self.placement is not None:
-            app.add_event_handler("startup", self.placement.start)  # replica reports flow before any request
             self.deps.metrics.registry.register(PlacementTiers(self.placement.tiers))
             add_placement_route(app, self.placement, self.cfg.admin_token, self.cfg.admin_prefix)
         return app
