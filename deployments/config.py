@@ -4,6 +4,12 @@ Precedence, lowest first: defaults < YAML file named by `LORASERVE_CONFIG` < `LO
 environment variables < `serve run deployments.app key=value` / serveConfigV2 `args`.
 Registry settings (Redis, S3, blob dir) live in `registry` and are handed to
 `RegistrySettings`; left empty, the registry reads its own env (REDIS_URL, S3_BUCKET, ...).
+
+The engine's settings are the `engine` section, `EngineConfig` fields checked by `EngineConfig` itself
+over the device's profile (deployments.engine_settings). Each source may set it whole (`engine: {...}`,
+`LORASERVE_ENGINE='{...}'`, `engine='{...}'`) or field by field (`LORASERVE_ENGINE_<FIELD>`,
+`engine.<field>=value`); sections merge field by field in the order above. The top-level names in
+`engine_settings.FLAT_ALIASES` (`device`, `dtype`, `max_loras`, ...) are aliases of their engine fields.
 """
 
 from __future__ import annotations
@@ -44,15 +50,9 @@ class AppConfig(BaseModel):
     )
     register_demo_adapters: bool = Field(True, description="register the demo adapters (demo model only)")
     demo_recipe: Literal["full", "quick"] = Field("full", description="demo build: full, or seconds-long (tests)")
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_loras: int = Field(8, ge=1)
-    max_lora_rank: int = Field(64, ge=1)
-    max_cpu_loras: int = Field(64, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    block_size: int = Field(16, ge=1)
-    num_kv_blocks: Optional[int] = Field(None, ge=1)
-    speculative_draft_tokens: int = Field(0, ge=0, le=16, description="0: plain multi-LoRA decoding")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="engine_ext.EngineConfig fields (all but `model`): what is not set takes "
+        "the device profile's default (deployments.engine_settings); after loading, every field resolved")
     torch_threads: int = Field(1, ge=1, description="torch threads per replica (CPU)")
 
     # --- replicas -------------------------------------------------------------------
@@ -117,12 +117,21 @@ class AppConfig(BaseModel):
                 raise ValueError("API keys need >= 8 characters and a non-empty tenant")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_engine(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        rest, engine = split_engine(data)
+        return {**rest, "engine": engine}
+
     @model_validator(mode="after")
     def _derive(self) -> "AppConfig":
-        if self.num_gpus_per_replica > 0 and self.device == "cpu":
-            raise ValueError("num_gpus_per_replica > 0 needs device='cuda'")
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError("max_cpu_loras must be >= max_loras")
+        from deployments.engine_settings import resolve_engine
+
+        self.engine = resolve_engine(self.engine, self.num_gpus_per_replica)
+        if self.num_gpus_per_replica > 0 and not self.engine["device"].startswith("cuda"):
+            raise ValueError("num_gpus_per_replica > 0 needs engine.device 'cuda'")
         from router.placement import PlacementConfig
 
         PlacementConfig(**self.placement)  # validated here, where the config enters
@@ -131,34 +140,77 @@ class AppConfig(BaseModel):
     def uses_default_admin_token(self) -> bool:
         return self.admin_token == DEFAULT_ADMIN_TOKEN
 
+    @property
+    def max_loras(self) -> int:
+        return self.engine["max_loras"]
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """`LORASERVE_<FIELD>` for every field; values are JSON when they parse, else strings."""
-    out: dict[str, Any] = {}
-    for name in AppConfig.model_fields:
+    @property
+    def max_cpu_loras(self) -> int:
+        return self.engine["max_cpu_loras"]
+
+
+def _json_or_str(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def split_engine(source: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One source's (other fields, engine fields): its `engine` section (a mapping or its JSON), then its
+    `engine.<field>` keys and top-level aliases. A field set twice in one source with two values is an error."""
+    from deployments.engine_settings import FLAT_ALIASES
+
+    rest = dict(source)
+    section = rest.pop("engine", None) or {}
+    if isinstance(section, str):
+        section = _json_or_str(section)
+    if not isinstance(section, Mapping):
+        raise ValueError(f"engine must be a mapping of EngineConfig fields (or its JSON), got {section!r}")
+    engine = dict(section)
+    for key in [k for k in rest if k.startswith("engine.") or k in FLAT_ALIASES]:
+        name, value = key.removeprefix("engine."), rest.pop(key)
+        if name in engine and engine[name] != value:
+            raise ValueError(f"engine.{name} is set twice: {engine[name]!r} and {value!r} (as {key!r})")
+        engine[name] = value
+    return rest, engine
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[dict[str, Any]]:
+    """[`LORASERVE_<FIELD>` of every field and alias, `LORASERVE_ENGINE_<FIELD>` of every engine field] (the
+    second overrides `LORASERVE_ENGINE`); values are JSON when they parse, else strings."""
+    from deployments.engine_settings import FLAT_ALIASES, engine_fields
+
+    fields, engine = {}, {}
+    for name in (*AppConfig.model_fields, *FLAT_ALIASES):
         raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None:
-            continue
-        try:
-            out[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[name] = raw
-    return out
+        if raw is not None:
+            fields[name] = _json_or_str(raw)
+    for name in engine_fields():
+        raw = env.get(f"{ENV_PREFIX}ENGINE_{name.upper()}")
+        if raw is not None:
+            engine[f"engine.{name}"] = _json_or_str(raw)
+    return [fields, engine]
 
 
 def load_config(args: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, str]] = None) -> AppConfig:
     """Merge YAML (`LORASERVE_CONFIG`), env and `args`; validate once at the end."""
     env = os.environ if env is None else env
-    merged: dict[str, Any] = {}
+    sources: list[Mapping[str, Any]] = []
     path = env.get(ENV_PREFIX + "CONFIG")
     if path:
         loaded = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a YAML mapping of AppConfig fields")
-        merged.update(loaded)
-    merged.update(_env_overrides(env))
-    merged.update(dict(args or {}))
-    cfg = AppConfig.model_validate(merged)
+        sources.append(loaded)
+    sources += [*_env_overrides(env), dict(args or {})]
+    merged: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
+    for source in sources:
+        rest, section = split_engine(source)
+        merged.update(rest)
+        engine.update(section)
+    cfg = AppConfig.model_validate({**merged, "engine": engine})
     if cfg.uses_default_admin_token():
         logger.warning(
             "control plane uses the default admin token %r: set LORASERVE_ADMIN_TOKEN outside development",

@@ -51,7 +51,8 @@ class ServeLLMClient:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, llm: DeploymentHandle, config: dict[str, Any], placement: Optional[DeploymentHandle] = None):
+    async def __init__(self, llm: DeploymentHandle, config: dict[str, Any],
+                       placement: Optional[DeploymentHandle] = None):
         from registry import AdapterDisabled, AdapterNotFound
         from registry.api import create_app as create_admin_app
 
@@ -60,7 +61,8 @@ class OpenAIIngress:
         cfg = AppConfig.model_validate(config)
         self.cfg = cfg
         self.registry = make_registry(cfg)
-        self.placement = None if placement is None else PlacementReporter(placement, cfg.placement_period_s)
+        self.placement = None if placement is None else PlacementReporter(placement, cfg.placement_period_s,
+                                                                          on_reports=self._export_reports)
         admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}})
         rates = lambda specs: {k: (v.rate, v.burst) for k, v in specs.items()}  # noqa: E731
         limiter = RateLimiter((cfg.tenant_rate.rate, cfg.tenant_rate.burst),
@@ -83,6 +85,17 @@ class OpenAIIngress:
             admin_prefix=cfg.admin_prefix,
             registry_errors=(AdapterNotFound, AdapterDisabled),
         )
+        if self.placement is not None:
+            self.placement.start()  # on the replica's event loop: replica reports flow before any request
+
+    def _export_reports(self, reports: dict[str, dict[str, Any]]) -> None:
+        """The replicas' timer reports into /metrics. An open /metrics names public adapters only (the
+        registry's public listing), like the series that ride on responses."""
+        public = None
+        if self.cfg.metrics_token is None:
+            public = {r.name for r in self.registry.list_adapters(None)}
+        keep = (lambda key: True) if public is None else (lambda key: adapter_family(key) in public)  # noqa: E731
+        self.deps.metrics.replicas.replace_all(reports, keep)
 
     def __serve_build_asgi_app__(self):
         app = create_openai_app(self.deps)

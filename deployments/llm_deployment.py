@@ -10,27 +10,9 @@ from ray import serve
 from deployments.config import AppConfig
 from deployments.llm_server import LLMServer, engine_config
 from deployments.protocol import GenerateRequest
+from deployments.serve_internals import residency_publisher
 
-__all__ = ["LLMDeployment", "serve_residency_publisher"]
-
-
-def serve_residency_publisher():
-    """-> publish(keys, stats): push resident adapters and routing stats to Serve's controller now.
-
-    Uses the same internal call as `@serve.multiplexed` (Ray has no public one), so that
-    both our router and Ray's default multiplex-aware router see a load within one
-    long-poll broadcast instead of after the next stats period.
-    """
-    from ray.serve._private.common import RequestRoutingInfo
-    from ray.serve.context import _get_global_client, _get_internal_replica_context
-
-    ctx = _get_internal_replica_context()
-
-    def publish(keys: list[str], stats: dict) -> None:
-        info = RequestRoutingInfo(replica_id=ctx.replica_id, multiplexed_model_ids=list(keys), routing_stats=stats)
-        _get_global_client().record_request_routing_info(info)
-
-    return publish
+__all__ = ["LLMDeployment"]
 
 
 @serve.deployment(name="LLMServer")
@@ -50,10 +32,10 @@ class LLMDeployment:
             model_dir = demo_paths(cfg)["model"]
         engine = AsyncLLMEngine(engine_config(cfg, model_dir))
         replica_id = serve.get_replica_context().replica_id.unique_id
-        publish = serve_residency_publisher() if cfg.push_residency else None
+        publish = residency_publisher() if cfg.push_residency else None
         sync = None
         if placement is not None:  # a handle to PlacementControllerDeployment
-            sync = lambda rid: placement.sync.remote(rid)  # noqa: E731 - awaiting a handle call gives its result
+            sync = lambda rid, report: placement.sync.remote(rid, report)  # noqa: E731 - awaiting gives the result
         self.server = LLMServer(cfg, engine, make_registry(cfg), replica_id, publish, placement_sync=sync)
         await self.server.start()
 

@@ -26,12 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 def engine_config(cfg: AppConfig, model_dir: str):
-    from engine_ext import EngineConfig, SpecConfig
+    """The replica's `EngineConfig`: the app's resolved `engine` section on `model_dir`."""
+    from deployments.engine_settings import build_engine_config
 
-    spec = SpecConfig(num_draft_tokens=cfg.speculative_draft_tokens) if cfg.speculative_draft_tokens else None
-    return EngineConfig(model=model_dir, device=cfg.device, dtype=cfg.dtype, max_loras=cfg.max_loras,
-                        max_lora_rank=cfg.max_lora_rank, max_cpu_loras=cfg.max_cpu_loras, block_size=cfg.block_size,
-                        num_kv_blocks=cfg.num_kv_blocks, max_num_seqs=cfg.max_num_seqs, speculative=spec)
+    return build_engine_config(cfg.engine, model_dir)
 
 
 @dataclass
@@ -75,11 +73,13 @@ class LLMServer:
     def __init__(self, cfg: AppConfig, engine: Any, registry: Any, replica_id: str,
                  publish_residency: Optional[Callable[[list[str], dict], None]] = None,
                  clock: Callable[[], float] = time.time,
-                 placement_sync: Optional[Callable[[str], Awaitable[dict]]] = None):
+                 placement_sync: Optional[Callable[[str, dict], Awaitable[dict]]] = None):
         self.cfg, self.engine, self.registry, self.replica_id = cfg, engine, registry, replica_id
         self._publish = publish_residency
         self._clock = clock
-        self._placement_sync = placement_sync  # replica id -> {"version", "tiers": {family: tier}}
+        # (replica id, this replica's report()) -> {"version", "tiers": {family: tier}}: the heartbeat that
+        # fetches the plan also carries the replica's metrics to the ingresses, on a timer
+        self._placement_sync = placement_sync
         self.placement = ReplicaPlacement(PlacementConfig(**cfg.placement), clock)
         # A replica "holds" as many adapters as the engine keeps in host memory; beyond that the idle
         # one the placement values least is dropped (homed elsewhere, then tier, then decayed request
@@ -89,6 +89,7 @@ class LLMServer:
         self.counters: dict[str, _AdapterCounters] = defaultdict(_AdapterCounters)
         self._ongoing = 0
         self._stats: dict[str, Any] = {}
+        self._stats_seq = 0  # bumped on every read of engine.stats(): orders this replica's reports
         self._tasks: set[asyncio.Task] = set()
         self._unsubscribe: Optional[Callable[[], None]] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -97,7 +98,7 @@ class LLMServer:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._stats = await asyncio.to_thread(self.engine.stats)
+        await self._read_stats()
         self._spawn(self._stats_loop())
         # Follow the change feed as a named consumer: started again after a stop (say, during a promote),
         # this replica replays what it missed from its saved offset; the first time it starts from now.
@@ -116,12 +117,16 @@ class LLMServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _read_stats(self) -> None:
+        # engine.stats() takes the engine lock that step() holds: read it off the event loop.
+        stats = await asyncio.to_thread(self.engine.stats)
+        self._stats, self._stats_seq = stats, self._stats_seq + 1
+
     async def _stats_loop(self, period_s: float = 0.5) -> None:
-        # engine.stats() takes the engine lock that step() holds: read it off the event loop, on a timer.
         while True:
             await asyncio.sleep(period_s)
             try:
-                self._stats = await asyncio.to_thread(self.engine.stats)
+                await self._read_stats()
             except Exception:  # noqa: BLE001 - stats are advisory
                 logger.exception("engine.stats() failed")
 
@@ -193,7 +198,7 @@ class LLMServer:
     async def _placement_loop(self) -> None:
         while True:
             try:
-                self.placement.share = await self._placement_sync(self.replica_id)
+                self.placement.share = await self._placement_sync(self.replica_id, self.report())
                 await self.apply_placement()
             except Exception:  # noqa: BLE001 - advisory: keep serving on the last plan
                 logger.warning("placement sync failed", exc_info=True)
@@ -248,7 +253,7 @@ class LLMServer:
                 pass
         finally:
             await stream.aclose()
-        self._stats = await asyncio.to_thread(self.engine.stats)
+        await self._read_stats()
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
@@ -397,16 +402,33 @@ class LLMServer:
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, key: Optional[str]) -> dict[str, Any]:
-        """Replica gauges and this adapter's counters, for the ingress's /metrics."""
+        """Replica gauges, the speculation's counters and this adapter's counters: what a response's last chunk
+        carries to the ingress's /metrics."""
+        return self._report([key] if key is not None else [])
+
+    def report(self) -> dict[str, Any]:
+        """`snapshot` of every adapter the replica has counters for: what it sends on a timer."""
+        return self._report(sorted(set(self.counters) | set(self._stats.get("adapters") or {})))
+
+    def _report(self, keys: list[str]) -> dict[str, Any]:
         s = self._stats
         out: dict[str, Any] = {k: s.get(k) for k in ("num_running", "num_waiting", "free_kv_blocks")}
+        out["seq"] = self._stats_seq
         out["device_adapters"] = len(s.get("device_adapters", ()))
         out["host_adapters"] = len(self.adapters.known())
-        if key is not None:
-            c, eng = self.counters[key], (s.get("adapters") or {}).get(key, {})
-            out["adapters"] = {key: {"hits": c.hits, "misses": c.misses, "loads": c.loads,
-                                     "load_seconds": c.load_seconds, "tokens": eng.get("tokens"),
-                                     "acceptance_rate": eng.get("acceptance_rate")}}
+        spec = s.get("speculative")
+        if spec is not None:
+            out["speculative"] = {"cycles": spec["cycles"], "plain_steps": spec["plain_steps"],
+                                  "gate_decisions": dict(spec["gate_decisions"])}
+        engine_adapters = s.get("adapters") or {}
+        if keys:
+            out["adapters"] = {}
+        for key in keys:
+            c, eng = self.counters[key] if key in self.counters else _AdapterCounters(), engine_adapters.get(key, {})
+            out["adapters"][key] = {"hits": c.hits, "misses": c.misses, "loads": c.loads,
+                                    "load_seconds": c.load_seconds,
+                                    **{k: eng.get(k) for k in ("tokens", "acceptance_rate", "drafted_tokens",
+                                                               "accepted_tokens")}}
         return out
 
     def record_routing_stats(self) -> dict[str, Any]:

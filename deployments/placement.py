@@ -6,6 +6,10 @@ replicas heartbeat and fetch their share of the plan, and it re-plans every `per
 `PlacementReporter` lives in each ingress: it counts requests by adapter family, sends the
 counts once a period, and keeps the latest view for `GET {admin_prefix}/v1/placement` and the
 `loraserve_adapter_tier` gauge in `/metrics`.
+
+The heartbeat also carries each replica's metrics report (`LLMServer.report()`); the controller keeps
+the latest of every live replica and each ingress's reporter fetches them once a period for its
+`/metrics`, so replica series stay current when no response is flowing.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ray import serve
 
@@ -41,6 +45,7 @@ class PlacementControllerDeployment:
         self.controller = PlacementController(PlacementConfig(**placement), device_slots, host_slots,
                                               replica_ttl_s=replica_ttl_s)
         self.period_s = period_s
+        self._reports: dict[str, dict[str, Any]] = {}  # replica id -> its latest LLMServer.report()
         self.controller.plan()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -55,10 +60,12 @@ class PlacementControllerDeployment:
     async def report(self, counts: dict[str, float]) -> None:
         self.controller.report(counts)
 
-    async def sync(self, replica_id: str) -> dict[str, Any]:
-        """A replica's heartbeat; -> its share of the current plan."""
+    async def sync(self, replica_id: str, report: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """A replica's heartbeat with its metrics report; -> its share of the current plan."""
         known = replica_id in self.controller.live_replicas()
         self.controller.heartbeat(replica_id)
+        if report is not None:
+            self._reports[replica_id] = report
         if not known:  # a new replica: plan now rather than a period later
             self.controller.plan()
         return replica_share(self.controller.view, replica_id)
@@ -66,18 +73,31 @@ class PlacementControllerDeployment:
     async def view(self) -> dict[str, Any]:
         return self.controller.view.to_json()
 
+    async def reports(self) -> dict[str, dict[str, Any]]:
+        """replica id -> latest metrics report, of the live replicas only."""
+        live = set(self.controller.live_replicas())
+        for gone in set(self._reports) - live:
+            del self._reports[gone]
+        return dict(self._reports)
+
 
 class PlacementReporter:
     """Ingress side: count requests per adapter family, report them, keep the latest view."""
 
-    def __init__(self, handle: Any, period_s: float = 1.0):
+    def __init__(self, handle: Any, period_s: float = 1.0,
+                 on_reports: Optional[Callable[[dict[str, dict[str, Any]]], None]] = None):
         self._handle, self.period_s = handle, period_s
+        self._on_reports = on_reports  # replica id -> LLMServer.report(), once a period
         self._counts: Counter[str] = Counter()
         self.view: Optional[dict[str, Any]] = None
         self._task: Optional[asyncio.Task] = None
 
     def count(self, family: str) -> None:
         self._counts[family] += 1
+        self._ensure_loop()
+
+    def start(self) -> None:
+        """Run the loop from now on (from the event loop), before any request is counted."""
         self._ensure_loop()
 
     async def refresh(self) -> dict[str, Any]:
@@ -97,6 +117,9 @@ class PlacementReporter:
                 if counts:
                     await self._handle.report.remote(counts)
                 await self.refresh()
+                if self._on_reports is not None:
+                    # off the event loop: the callback may read the registry
+                    await asyncio.to_thread(self._on_reports, await self._handle.reports.remote())
             except Exception:  # noqa: BLE001 - placement is advisory; serving goes on
                 logger.warning("placement report failed", exc_info=True)
                 self._counts.update(counts)

@@ -153,3 +153,29 @@ def test_residency_is_published_after_a_load_and_lists_the_new_adapter(env):
 
     key = asyncio.run(scenario())
     assert len(published) == 1 and key in published[0][0] and key in published[0][1]
+
+
+def test_report_carries_every_adapters_speculative_counters(env):
+    """The default engine drafts (speculation on, gate deciding); the timer's report names every adapter."""
+    cfg, engine, reg, names, _ = env
+    assert cfg.engine["speculative"]["gate"] is True
+
+    async def scenario():
+        server = LLMServer(cfg, engine, reg, "r-report")
+        await server.start()
+        keys = [f"{n}@{reg.get(n).active_version}" for n in names[:2]]
+        for i, key in enumerate(keys * 2):
+            await collect(server, req(key, f"s{i}", max_tokens=12))
+        await server._read_stats()  # noqa: SLF001 - the stats loop's read, now
+        report = server.report()
+        await server.stop()
+        return keys, report
+
+    keys, report = asyncio.run(scenario())
+    spec = report["speculative"]
+    assert spec["cycles"] + spec["plain_steps"] > 0 and sum(spec["gate_decisions"].values()) > 0
+    for key in keys:
+        a = report["adapters"][key]
+        assert a["drafted_tokens"] > 0 and 0 <= a["accepted_tokens"] <= a["drafted_tokens"], a
+        assert a["acceptance_rate"] is not None and a["tokens"] > 0
+    assert report["seq"] >= 1

@@ -95,8 +95,9 @@ class Plan:
         self.share = {"version": 1, "tiers": tiers}
         self.calls = 0
 
-    async def __call__(self, replica_id):
+    async def __call__(self, replica_id, report):
         self.calls += 1
+        self.report = report
         return self.share
 
 
