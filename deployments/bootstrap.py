@@ -1,4 +1,9 @@
-"""Start-up registration: the base model, and with the embedded demo its adapters.
+"""Start-up registration: the base model, and with the embedded demo its adapters; and where each
+replica finds the base model's directory.
+
+`model` is one of: unset (the embedded demo, built on each node), a local Hugging Face directory,
+or `registry://NAME`: a base model whose files the registry stores (`lora-registry base-model NAME DIR
+--upload`), fetched by each replica from the blob store (S3 on a cluster), so no pod needs a model volume.
 
 Idempotent, so every `serve run` (or each of several builders) may call it: what is
 already registered and active is left alone, and nothing is audited twice.
@@ -13,11 +18,13 @@ from typing import Any, Optional
 
 from deployments.config import AppConfig
 
-__all__ = ["make_registry", "bootstrap", "demo_paths", "sha256_of_dir", "DEMO_BASE_NAME"]
+__all__ = ["make_registry", "bootstrap", "demo_paths", "sha256_of_dir", "replica_model_dir", "stored_base_name",
+           "DEMO_BASE_NAME", "REGISTRY_MODEL_SCHEME"]
 
 logger = logging.getLogger(__name__)
 
 DEMO_BASE_NAME = "demo"
+REGISTRY_MODEL_SCHEME = "registry://"
 
 
 def make_registry(cfg: AppConfig, extra_local_roots: Optional[list[Path]] = None):
@@ -35,6 +42,23 @@ def demo_paths(cfg: AppConfig) -> dict:
     from demo import DEFAULT_RECIPE, ensure_demo, quick_recipe
 
     return ensure_demo(recipe=quick_recipe() if cfg.demo_recipe == "quick" else DEFAULT_RECIPE)
+
+
+def stored_base_name(cfg: AppConfig) -> Optional[str]:
+    """NAME when `model` is `registry://NAME`, else None."""
+    if cfg.model and cfg.model.startswith(REGISTRY_MODEL_SCHEME):
+        return cfg.model[len(REGISTRY_MODEL_SCHEME):]
+    return None
+
+
+def replica_model_dir(cfg: AppConfig, reg) -> str:
+    """The local directory this replica loads the base model from (on the replica's own node)."""
+    if cfg.model is None:
+        return demo_paths(cfg)["model"]
+    stored = stored_base_name(cfg)
+    if stored is not None:
+        return str(reg.materialize_base(stored))
+    return cfg.model
 
 
 def sha256_of_dir(d: Path) -> dict[str, str]:
@@ -71,6 +95,23 @@ def _ensure_demo_adapter(reg, name: str, adapter_dir: Path, base: str) -> None:
     logger.info("registered demo adapter %s", name)
 
 
+def _check_stored_base(cfg: AppConfig, name: str) -> AppConfig:
+    """A `registry://NAME` model must be registered with its files; said here, at deploy time, rather than
+    by every replica failing to start."""
+    from registry import RegistryError
+
+    if cfg.base_model_name not in (None, name):
+        raise ValueError(f"base_model_name {cfg.base_model_name!r} differs from the stored model {name!r}")
+    reg = make_registry(cfg)
+    try:
+        if not reg.get_base_model(name).files:
+            raise RegistryError(f"base model {name!r} is registered without its files: upload them with "
+                                f"`lora-registry base-model {name} DIR --upload`", code="no_base_files")
+    finally:
+        reg.close()
+    return cfg.model_copy(update={"base_model_name": name})
+
+
 def bootstrap(cfg: AppConfig) -> AppConfig:
     """Register base (+ demo adapters); return the config with `model`/`base_model_name` filled in."""
     demo_adapters: dict[str, str] = {}
@@ -82,6 +123,8 @@ def bootstrap(cfg: AppConfig) -> AppConfig:
         paths = demo_paths(cfg)
         model_dir, base = paths["model"], cfg.base_model_name or DEMO_BASE_NAME
         demo_adapters = paths["adapters"] if cfg.register_demo_adapters else {}
+    elif (stored := stored_base_name(cfg)) is not None:
+        return _check_stored_base(cfg, stored)
     else:
         model_dir, base = cfg.model, cfg.base_model_name or Path(cfg.model).name
     roots = sorted({Path(d).resolve().parent for d in demo_adapters.values()})

@@ -3,6 +3,7 @@ delegates to `deployments.llm_server.LLMServer`."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -20,23 +21,20 @@ class LLMDeployment:
     async def __init__(self, config: dict[str, Any], placement: Any = None):
         import torch
 
-        from deployments.bootstrap import make_registry
+        from deployments.bootstrap import make_registry, replica_model_dir
         from engine_ext import AsyncLLMEngine
 
         cfg = AppConfig.model_validate(config)
         torch.set_num_threads(cfg.torch_threads)
-        model_dir = cfg.model
-        if model_dir is None:
-            from deployments.bootstrap import demo_paths
-
-            model_dir = demo_paths(cfg)["model"]
+        registry = make_registry(cfg)
+        model_dir = await asyncio.to_thread(replica_model_dir, cfg, registry)  # may download the base model
         engine = AsyncLLMEngine(engine_config(cfg, model_dir))
         replica_id = serve.get_replica_context().replica_id.unique_id
         publish = residency_publisher() if cfg.push_residency else None
         sync = None
         if placement is not None:  # a handle to PlacementControllerDeployment
             sync = lambda rid, report: placement.sync.remote(rid, report)  # noqa: E731 - awaiting gives the result
-        self.server = LLMServer(cfg, engine, make_registry(cfg), replica_id, publish, placement_sync=sync)
+        self.server = LLMServer(cfg, engine, registry, replica_id, publish, placement_sync=sync)
         await self.server.start()
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from registry.errors import RegistryValidationError
+from registry.records import FileEntry
 
 __all__ = ["BaseModelSpec", "ModuleShape", "spec_from_config", "load_config", "ATTN_MODULES", "MLP_MODULES"]
 
@@ -34,6 +35,10 @@ class BaseModelSpec(BaseModel):
     hidden_size: int
     modules: dict[str, ModuleShape] = Field(description="module name -> shape of its nn.Linear")
     aliases: list[str] = Field(default_factory=list, description="other names adapters may cite as base model")
+    files: dict[str, FileEntry] = Field(
+        default_factory=dict, description="the model's files in the blob store (config, tokenizer, safetensors); "
+        "empty: only the config was registered and replicas read the model from a local directory")
+    blob_location: str | None = Field(None, description="the blob store holding `files`")
 
     def accepts_base_name(self, cited: str) -> bool:
         """PEFT writes `base_model_name_or_path` as whatever the trainer loaded: a hub id or a local path.
@@ -72,7 +77,8 @@ def _int_field(cfg: dict[str, Any], key: str, default: int | None = None) -> int
     return value
 
 
-def spec_from_config(name: str, cfg: dict[str, Any], aliases: list[str] | None = None) -> BaseModelSpec:
+def spec_from_config(name: str, cfg: dict[str, Any], aliases: list[str] | None = None,
+                     files: dict[str, FileEntry] | None = None, blob_location: str | None = None) -> BaseModelSpec:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise RegistryValidationError(
@@ -102,4 +108,6 @@ def spec_from_config(name: str, cfg: dict[str, Any], aliases: list[str] | None =
         hidden_size=hidden,
         modules=modules,
         aliases=sorted(set(aliases or [])),
+        files=files or {},
+        blob_location=blob_location if files else None,
     )

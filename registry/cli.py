@@ -1,5 +1,6 @@
 """Operator CLI `lora-registry`: push an adapter directory (upload with a progress bar, then register),
-list, show, promote, canary, rollback, disable, enable, retire, delete, gc, audit, base-model.
+list, show, promote, canary, rollback, disable, enable, retire, delete, gc, audit, base-model
+(--upload: the base model's files into the blob store, where replicas fetch them).
 
 Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (the server root, e.g.
 http://host:8000, or the control plane's own root; token from --token or LORA_REGISTRY_TOKEN), else opens the
@@ -186,6 +187,9 @@ class LocalBackend:
     def base_model(self, name: str, config: dict) -> Any:
         return self._reg.register_base_model(name, config, actor=self._actor).model_dump(mode="json")
 
+    def upload_base_model(self, name: str, model_dir: Path) -> Any:
+        return self._reg.register_base_model(name, model_dir, actor=self._actor, upload=True).model_dump(mode="json")
+
 
 # -- push: hash, upload to staging with a progress bar, register ---------------------------------------------
 def _hash_files(directory: Path) -> dict[str, str]:
@@ -285,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("base-model", help="register a base model from its directory (config.json)")
     sp.add_argument("name")
     sp.add_argument("model_dir")
+    sp.add_argument("--upload", action="store_true",
+                    help="direct mode: also store the model's files (config, tokenizer, safetensors) in the blob "
+                         "store, where replicas fetch it from (serve with model: registry://NAME)")
     return p
 
 
@@ -311,6 +318,11 @@ def _dispatch(args, backend, settings: RegistrySettings) -> Any:
         case "audit":
             return backend.audit(args.name, args.after, args.limit, args.order)
         case "base-model":
+            if args.upload:
+                if isinstance(backend, HttpBackend):
+                    raise CliError("--upload writes to the blob store directly: run it without --url, with the "
+                                   "cluster's registry settings (REDIS_URL, S3_BUCKET, ...) in the environment")
+                return backend.upload_base_model(args.name, Path(args.model_dir))
             config = json.loads((Path(args.model_dir) / "config.json").read_text())
             return backend.base_model(args.name, config)
     raise CliError(f"unknown command {args.command}")

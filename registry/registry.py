@@ -3,9 +3,9 @@ layer, and materializing adapter files locally. Stores, blob store and source fe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from registry import lifecycle
+from registry.base_files import describe_files, select_base_files
 from registry.base_model import BaseModelSpec, load_config, spec_from_config
 from registry.blob_store import BlobStore, LocalBlobStore
 from registry.catalog import ServingCatalog
+from registry.materialize import materialize_files
 from registry.errors import (AdapterNotFound, BaseModelNotFound, LifecycleConflict, PermissionDenied, RegistryError,
                              RegistryValidationError)
 from registry.metadata_store import Event, MetadataStore, Mutation
@@ -23,12 +25,9 @@ from registry.records import NAME_PATTERN, AdapterRecord, AdapterState, AdapterS
 from registry.resolver import resolve_version
 from registry.settings import RegistrySettings
 from registry.sources import SourceFetcher, SourceLimits
-from registry.validation import sha256_file, validate_adapter
+from registry.validation import validate_adapter
 
 __all__ = ["Registry"]
-
-_VERIFIED_MARKER = ".registry-verified.json"
-
 
 class Registry:
     def __init__(self, metadata: MetadataStore, blobs: BlobStore, settings: RegistrySettings,
@@ -72,11 +71,23 @@ class Registry:
 
     # -- base models ---------------------------------------------------------------------------------------
     def register_base_model(self, name: str, model_dir_or_config: str | os.PathLike | dict[str, Any], *,
-                            actor: str = "system", aliases: list[str] | None = None) -> BaseModelSpec:
+                            actor: str = "system", aliases: list[str] | None = None,
+                            upload: bool = False) -> BaseModelSpec:
+        """Record the base model's spec (from its config). With `upload`, also store its files (a model
+        directory: config, tokenizer, safetensors weights) in the blob store, so replicas can fetch the model
+        with `materialize_base` instead of needing it on a local volume."""
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
             raise RegistryValidationError(f"invalid base model name {name!r}", code="invalid_name")
         cfg, found_aliases = load_config(model_dir_or_config)
-        spec = spec_from_config(name, cfg, [*found_aliases, *(aliases or [])])
+        files = None
+        if upload:
+            if isinstance(model_dir_or_config, dict):
+                raise RegistryValidationError("upload needs a model directory, not a config", code="missing_file")
+            paths = select_base_files(Path(model_dir_or_config), self.settings.max_header_bytes)
+            files = describe_files(paths)
+            for fname, entry in files.items():  # before the record, like a registration; gc spares fresh blobs
+                self.blobs.put(entry.sha256, paths[fname])
+        spec = spec_from_config(name, cfg, [*found_aliases, *(aliases or [])], files, self.blobs.location)
         now = self._clock()
 
         def mutate(before: BaseModelSpec | None) -> Mutation:
@@ -235,6 +246,7 @@ class Registry:
         if not pool:
             return []
         referenced = {f.sha256 for rec in self.metadata.iter_records() for f in rec.files.values()}
+        referenced |= {f.sha256 for spec in self.metadata.list_base_models() for f in spec.files.values()}
         cutoff = self._clock() - grace
         gone = []
         for digest in sorted(pool - referenced):
@@ -324,40 +336,16 @@ class Registry:
         """-> local directory with the version's files, each re-hashed against the record after download."""
         if rec.status in (AdapterStatus.failed, AdapterStatus.staged, AdapterStatus.retired) or not rec.files:
             raise LifecycleConflict(f"{rec.name} v{rec.version} is {rec.status.value}; it has no servable files")
-        root = Path(self.settings.materialize_dir)
-        dest = root / rec.name / f"v{rec.version}"
-        expected = {n: f.model_dump() for n, f in rec.files.items()}
-        if _is_verified(dest, expected):
-            return dest
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".v{rec.version}-"))
-        try:
-            for fname, entry in rec.files.items():
-                self.blobs.get(entry.sha256, tmp / fname)
-                actual = sha256_file(tmp / fname)
-                if actual != entry.sha256:
-                    raise RegistryError(f"blob for {rec.name} v{rec.version} {fname} is corrupt: sha256 {actual} "
-                                        f"!= {entry.sha256}", code="corrupt_blob")
-            (tmp / _VERIFIED_MARKER).write_text(json.dumps(expected, sort_keys=True))
-            if dest.exists():  # a stale or concurrent copy: replace it only if it does not verify
-                if _is_verified(dest, expected):
-                    return dest
-                shutil.rmtree(dest, ignore_errors=True)
-            try:
-                os.replace(tmp, dest)
-            except OSError:
-                if not _is_verified(dest, expected):  # lost a race to another materializer, whose copy verifies
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return dest
+        dest = Path(self.settings.materialize_dir) / rec.name / f"v{rec.version}"
+        return materialize_files(self.blobs, rec.files, dest, f"{rec.name} v{rec.version}")
 
-
-def _is_verified(dest: Path, expected: dict[str, dict]) -> bool:
-    """The marker is written only after every file was re-hashed; sizes catch later truncation."""
-    try:
-        if json.loads((dest / _VERIFIED_MARKER).read_text()) != expected:
-            return False
-        return all((dest / n).stat().st_size == e["size"] for n, e in expected.items())
-    except (OSError, ValueError):
-        return False
+    def materialize_base(self, name: str) -> Path:
+        """-> local directory holding the base model's stored files (a Hugging Face model dir), re-hashed."""
+        spec = self.get_base_model(name)
+        if not spec.files:
+            raise RegistryError(f"base model {name!r} has no files in the blob store; register it with its files "
+                                f"(lora-registry base-model {name} DIR --upload)", code="no_base_files")
+        manifest = json.dumps({n: f.sha256 for n, f in sorted(spec.files.items())}).encode()
+        # Under a name no adapter can have (adapter names start with a letter or digit); one dir per file set.
+        dest = Path(self.settings.materialize_dir) / "_base" / name / hashlib.sha256(manifest).hexdigest()[:16]
+        return materialize_files(self.blobs, spec.files, dest, f"base model {name}")

@@ -42,3 +42,27 @@ def test_changed_demo_files_get_a_new_active_version(cfg, tmp_path):
     _ensure_demo_adapter(reg, name, copy, "demo")
     assert reg.get(name).active_version == before + 1
     reg.close()
+
+
+def test_registry_model_is_checked_at_deploy_and_fetched_by_replicas(cfg, tmp_path):
+    from deployments.bootstrap import replica_model_dir
+    from registry import BaseModelNotFound, RegistryError
+
+    model = Path(demo_paths(cfg)["model"])
+    stored = cfg.model_copy(update={"model": "registry://stored"})
+    with pytest.raises(BaseModelNotFound):
+        bootstrap(stored)
+    reg = make_registry(cfg)
+    reg.register_base_model("stored", model)  # config only: no files a replica could fetch
+    with pytest.raises(RegistryError, match="--upload"):
+        bootstrap(stored)
+    reg.register_base_model("stored", model, upload=True)
+    out = bootstrap(stored)
+    assert out.base_model_name == "stored" and out.model == "registry://stored"
+    local = Path(replica_model_dir(out, reg))
+    assert local.is_relative_to(tmp_path / "mat")
+    assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == \
+        {p.name: p.read_bytes() for p in local.iterdir() if p.name in {q.name for q in model.iterdir()}}
+    with pytest.raises(ValueError, match="differs"):
+        bootstrap(stored.model_copy(update={"base_model_name": "other"}))
+    reg.close()

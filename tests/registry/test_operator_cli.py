@@ -113,3 +113,20 @@ def test_rest_mode_against_uvicorn(served, cli_env, capsys, adapter_templates):
         ["cli-admin"] * 3
     code, _, err = run(capsys, "--url", url, "--token", "nope", "list")
     assert code == 1 and "HTTP 401" in err
+
+
+def test_base_model_upload_in_direct_mode_only(cli_env, capsys, tiny_base, monkeypatch):
+    from registry import Registry, RegistrySettings
+
+    code, spec, err = run(capsys, "base-model", "stored-base", str(tiny_base), "--upload")
+    assert code == 0, err
+    assert "model.safetensors" in spec["files"] and spec["blob_location"]
+    reg = Registry.from_settings(RegistrySettings())
+    try:
+        assert (reg.materialize_base("stored-base") / "config.json").read_bytes() == \
+            (tiny_base / "config.json").read_bytes()
+    finally:
+        reg.close()
+    monkeypatch.setattr("registry.cli.HttpBackend._control_plane_root", staticmethod(lambda url: url))
+    code, _, err = run(capsys, "--url", "http://127.0.0.1:9", "base-model", "x", str(tiny_base), "--upload")
+    assert code == 1 and "without --url" in err
