@@ -44,7 +44,9 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # --- model and engine -----------------------------------------------------------
-    model: Optional[str] = Field(None, description="HF model dir of the base model; None: the embedded demo")
+    model: Optional[str] = Field(None, description=(
+        "the base model: an HF model dir, or registry://NAME for one stored in the registry (`lora-registry "
+        "base-model NAME DIR --upload`; each replica fetches it); None: the embedded demo"))
     base_model_name: Optional[str] = Field(
         None, description="the base model's name in the registry and in `model`; default: the dir's name"
     )

@@ -2,24 +2,22 @@
 
 `router.placement` (tiers, homes, eviction order) and `router.policy` (replica ranking) are pure;
 `router.controller.PlacementController` runs the placement over reported counts;
-`router.ray_router.AffinityRouter` is the thin Ray Serve `RequestRouter` around the ranking.
+`router.ray_router.AffinityRouter` is the thin Ray Serve `RequestRouter` around the ranking; it is not imported
+here, so the pure policy (and the replica code that uses it) imports without Ray.
 """
 
 from router.controller import PlacementController, PlacementView
 from router.placement import PlacementConfig
 from router.policy import AffinityConfig, ReplicaState, num_homes, rank_for_adapter, rank_for_base, rank_replicas
 from router.popularity import PopularityTracker
-from router.ray_router import ROUTER_CLASS_PATH, AffinityRouter
 from router.rendezvous import home_replicas
 
 __all__ = [
     "AffinityConfig",
-    "AffinityRouter",
     "PlacementConfig",
     "PlacementController",
     "PlacementView",
     "PopularityTracker",
-    "ROUTER_CLASS_PATH",
     "ReplicaState",
     "home_replicas",
     "num_homes",
