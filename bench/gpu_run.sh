@@ -41,6 +41,11 @@ for step in $STEPS; do
     tests)  # every gpu-marked engine test (the open-loop stress suite's CUDA backend and the 1B/8B shapes included)
       timeout 420 python3 -m pytest -m gpu tests/engine_ext -q -p no:cacheprovider $XDIST >"$OUT/gpu_tests.log" 2>&1
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
+    server)  # the replica's server class from a GPU app config against bench/decode.py's engine figure (issue 16);
+      # the deployment's config needs pydantic: installed from wheels carried in $WHEELS when the image lacks it
+      python3 -c "import pydantic" 2>/dev/null || pip install -q --no-index --find-links "${WHEELS:-.gpu/wheels}" pydantic
+      timeout 360 python3 -m pytest -m gpu tests/deployments/gpu -q -s -p no:cacheprovider >"$OUT/server.log" 2>&1
+      echo "server rc $?: $(grep -E '^server |passed|failed' "$OUT/server.log" | tr '\n' ' ')" ;;
     load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst
       timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null
