@@ -88,7 +88,7 @@ def token_moves(token_src: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class ForwardBatch:
-    """One eager forward's metadata on the device: views of one packed [NUM_ROWS, T] tensor."""
+    """One eager forward's metadata on the device: views of one packed [NUM_ROWS, T rounded up to 16] tensor."""
 
     input_ids: torch.Tensor  # [T]
     attn: AttnMetadata
