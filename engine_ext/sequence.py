@@ -68,6 +68,10 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed > 1
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens it may still generate before max_tokens or the context limit ends it."""
+        return min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens)
+
     def work(self, lora_slot: int, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
         """Its share of a forward: every position not yet in the cache, plus `extra` tokens after them."""
         return SeqWork(token_ids=self.token_ids[self.num_computed :] + list(extra), start=self.num_computed,

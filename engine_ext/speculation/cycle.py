@@ -48,9 +48,6 @@ class DraftCycle:
             return self._greedy(plan, drafters)
         return self._sampled(plan, drafters)
 
-    def _left(self, s: Sequence) -> int:
-        return min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens)
-
     def _work(self, s: Sequence, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
         return s.work(self.slots.lora_slot(s.adapter), extra, num_logits)
 
@@ -119,7 +116,8 @@ class DraftCycle:
         # Drafting passes per sequence: its draft length; for a rider, every pass unless a length limit comes
         # first. Stops (EOS, stop strings) show only after the sync: a rider that stopped keeps computing to the
         # end of the cycle, into positions its lookahead blocks hold, and those tokens are dropped.
-        count = {id(s): lengths[id(s)] for s in drafters} | {id(s): min(passes, self._left(s)) for s in riders}
+        left = {id(s): s.tokens_left(self.max_model_len) for s in riders}
+        count = {id(s): lengths[id(s)] for s in drafters} | {id(s): min(passes, left[id(s)]) for s in riders}
         members = sorted(drafters + riders, key=lambda s: -count[id(s)])  # pass j runs members[:sizes[j]]
         sizes = [sum(count[id(s)] > j for s in members) for j in range(passes)]
         offsets = list(itertools.accumulate(sizes, initial=0))
@@ -128,7 +126,7 @@ class DraftCycle:
         def at(s: Sequence, j: int) -> int:  # where pass j's argmax for s lands in `tokens`
             return offsets[j] + row[id(s)]
 
-        done = {id(s) for s in riders if count[id(s)] == self._left(s)}  # finished by length in the passes
+        done = {id(s) for s in riders if count[id(s)] == left[id(s)]}  # finished by length in the passes
         live = [s for s in plan.seqs if id(s) not in done]  # the verify pass: m + 1 logits for a drafter, else 1
         tokens = torch.empty(offsets[-1] + sum(lengths.get(id(s), 0) + 1 for s in live), dtype=torch.long,
                              device=self.generator.device)

@@ -157,7 +157,7 @@ class Gate:
             self._reserve = True
             return None
         caps = [self._cap(s) for s in lora]
-        left = [self._left(s) for s in lora] if batch.closed else None
+        left = [s.tokens_left(self.max_model_len) for s in lora] if batch.closed else None
         lengths = self.draft_lengths(names, caps, decoding, left)
         speculate = self.decide(names, lengths, num_base, caps, left)
         self._hold, self._hold_names = (0 if speculate else self.hold_steps()), names
@@ -189,11 +189,7 @@ class Gate:
         whose params rule drafting out (SamplingParams.can_draft) drafts nothing: the verify pass is its plain step."""
         if not s.params.can_draft:
             return 0
-        return max(0, min(self.cfg.num_draft_tokens, self._left(s) - 1))
-
-    def _left(self, s: Sequence) -> int:
-        """Tokens the sequence may still generate before max_tokens or max_model_len ends it."""
-        return min(s.params.max_tokens - len(s.output_token_ids), self.max_model_len - s.num_tokens)
+        return max(0, min(self.cfg.num_draft_tokens, s.tokens_left(self.max_model_len) - 1))
 
     # ------------------------------------------------------------ acceptance and probes
     @property
