@@ -43,7 +43,7 @@ for step in $STEPS; do
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
     server)  # the replica's server class from a GPU app config against bench/decode.py's engine figure (issue 16);
       # the deployment's config needs pydantic: installed from wheels carried in $WHEELS when the image lacks it
-      python3 -c "import pydantic" 2>/dev/null || pip install -q --no-index --find-links "${WHEELS:-.gpu/wheels}" pydantic
+      python3 -c "import pydantic, pydantic_settings" 2>/dev/null || python3 -m pip install -q --no-index --find-links "${WHEELS:-.gpu/wheels}" pydantic pydantic-settings
       timeout 360 python3 -m pytest -m gpu tests/deployments/gpu -q -s -p no:cacheprovider >"$OUT/server.log" 2>&1
       echo "server rc $?: $(grep -E '^server |passed|failed' "$OUT/server.log" | tr '\n' ' ')" ;;
     load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst

@@ -52,6 +52,14 @@ async def _merge(streams: list, firsts: list) -> AsyncIterator[tuple[int, Any]]:
     """(choice index, RequestOutput) from every engine stream as they come; closing it aborts the unfinished."""
     for i, out in enumerate(firsts):
         yield i, out
+    if len(streams) == 1:  # n = 1, nearly every request: no task and no wait() per token
+        try:
+            if not firsts[0].finished:
+                async for out in streams[0]:
+                    yield 0, out
+        finally:
+            await streams[0].aclose()  # aborts the request if it is unfinished
+        return
     nexts = {asyncio.ensure_future(streams[i].__anext__()): i for i, out in enumerate(firsts) if not out.finished}
     try:
         while nexts:

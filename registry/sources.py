@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from botocore.exceptions import ClientError
-
 from registry.errors import RegistryValidationError, SourceNotAllowed
 
 __all__ = ["SourceLimits", "SourceFetcher", "parse_s3_uri", "FILE_NAME_PATTERN"]
@@ -84,6 +82,8 @@ class SourceFetcher:
             raise SourceNotAllowed("source_uri contains a NUL byte", code="source_not_allowed")
         scheme, sep, _ = uri.partition("://")
         if sep and scheme == "s3":
+            from botocore.exceptions import ClientError  # S3 sources only: the local path needs no AWS SDK
+
             try:
                 return self._fetch_s3(uri, dest)
             except ClientError as e:  # no such bucket/key, access denied: the registrant's source is at fault
