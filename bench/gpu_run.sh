@@ -38,14 +38,28 @@ for step in $STEPS; do
       echo "ab rc $?"; cat "$OUT/ab.log"
       if [ -s "$OUT/best.json" ]; then KERNEL_SETTINGS=$(cat "$OUT/best.json"); fi
       echo "kernel settings: $KERNEL_SETTINGS" ;;
-    tests)  # every gpu-marked engine test (the open-loop stress suite's CUDA backend and the 1B/8B shapes included)
-      timeout 420 python3 -m pytest -m gpu tests/engine_ext -q -p no:cacheprovider $XDIST >"$OUT/gpu_tests.log" 2>&1
+    tests)  # every gpu-marked engine test (the open-loop stress suite's CUDA backend and the 1B/8B shapes included);
+      # TESTS_K narrows it to a pytest -k expression
+      timeout 420 python3 -m pytest -m gpu tests/engine_ext -q -p no:cacheprovider $XDIST ${TESTS_K:+-k "$TESTS_K"} \
+        >"$OUT/gpu_tests.log" 2>&1
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
     server)  # the replica's server class from a GPU app config against bench/decode.py's engine figure (issue 16);
       # the deployment's config needs pydantic: installed from wheels carried in $WHEELS when the image lacks it
       python3 -c "import pydantic, pydantic_settings" 2>/dev/null || python3 -m pip install -q --no-index --find-links "${WHEELS:-.gpu/wheels}" pydantic pydantic-settings
       timeout 360 python3 -m pytest -m gpu tests/deployments/gpu -q -s -p no:cacheprovider >"$OUT/server.log" 2>&1
       echo "server rc $?: $(grep -E '^server |passed|failed' "$OUT/server.log" | tr '\n' ' ')" ;;
+    openloop)  # issue 20: base-only, plain, gated and forced drafting on identical open-loop traffic at the 1B shape,
+      # per rank and adapter mix (OPENLOOP_RANKS, OPENLOOP_MIXES), from light load to saturation (OPENLOOP_RUNS)
+      for rank in ${OPENLOOP_RANKS:-16 64}; do
+        for mix in ${OPENLOOP_MIXES:-near mixed}; do
+          name="openloop-r$rank-$mix"
+          timeout ${OPENLOOP_TIMEOUT:-240} python3 bench/serve_load.py --shape llama-3.2-1b --rank $rank --mix $mix \
+            --modes base plain gated forced --runs ${OPENLOOP_RUNS:-poisson:30 poisson:90 burst} \
+            --requests ${OPENLOOP_REQUESTS:-200} --warmup 50 --out "$OUT/$name.json" 2>"$OUT/$name.log" >/dev/null
+          echo "$name rc $?"; grep '^compare\|crash' "$OUT/$name.log"
+          pack
+        done
+      done ;;
     load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst
       timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null

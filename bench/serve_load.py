@@ -4,15 +4,21 @@ the previous ones finish, and each one's first-token and inter-token times are m
     python bench/serve_load.py --device cpu --shape tiny --requests 40 --runs poisson:20          # a CPU
     python bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --spec 4   # the H200
     python bench/serve_load.py --shape llama-3.2-1b --spec 0 --compile-cache /tmp/empty           # cold start
+    python bench/serve_load.py --modes base plain gated forced --mix near --runs poisson:30 burst  # modes compared
 
-Prints one JSON object: the engine's start-up seconds, then per run tokens/s, TTFT and TPOT percentiles,
-finish reasons, errors, the gate's decisions and the Triton kernels compiled after the engine reported ready
-(files added to --compile-cache while serving; 0 when the warm-up covered every variant).
+Every mode (`--modes`) serves every run's traffic: the same arrivals, lengths and adapters (for "base", the same
+requests on the base model alone). Prints one JSON object: the engine's start-up seconds, then per mode and run
+tokens/s, TTFT and TPOT percentiles, finish reasons, errors, acceptance, the gate's decisions, a digest of the
+outputs (equal across plain, gated and forced: drafting is lossless) and the Triton kernels compiled after the
+engine reported ready (files added to --compile-cache while serving; 0 when the warm-up covered every
+variant); then `compare`, per run, the ratios between modes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -72,13 +78,17 @@ class WallClock:
     def stepped(self) -> None:
         pass
 
+    def passed(self) -> None:
+        pass
+
 
 class StepClock:
-    """Simulated time: each engine step takes `dt` seconds; an idle engine jumps to the next arrival. Makes a
-    replay deterministic (tests), while arrivals still land between and during decoding."""
+    """Simulated time: each engine step takes `dt` seconds, and each time a speculative cycle takes arrivals in
+    between its passes, `pass_dt` more; an idle engine jumps to the next arrival. Makes a replay deterministic
+    (tests), while arrivals still land between and during decoding, and with `pass_dt` during a cycle."""
 
-    def __init__(self, dt: float = 0.01) -> None:
-        self.dt, self.t = dt, 0.0
+    def __init__(self, dt: float = 0.01, pass_dt: float = 0.0) -> None:
+        self.dt, self.pass_dt, self.t = dt, pass_dt, 0.0
 
     def now(self) -> float:
         return self.t
@@ -89,19 +99,22 @@ class StepClock:
     def stepped(self) -> None:
         self.t += self.dt
 
+    def passed(self) -> None:
+        self.t += self.pass_dt
+
 
 def replay(engine, requests: list[Request], clock, params_for, max_steps: int | None = None,
            sync=lambda: None) -> list[Record]:
     """Drive `engine.step()` under open-loop arrivals: before each step, add every request that has arrived and
-    abort those past their `abort_after`. `params_for(request)` gives its SamplingParams. A request the engine
-    refuses is recorded with its error, not raised. Returns one record per request, in arrival order."""
+    abort those past their `abort_after`; during a step, a speculative cycle takes in those that arrive between
+    its passes (the engine's `intake`), as a serving loop's does. `params_for(request)` gives its SamplingParams. A
+    request the engine refuses is recorded with its error, not raised. Returns one record per request, in
+    arrival order."""
     records = {r.request_id: Record(r) for r in requests}
     pending = list(requests)
     live: set[str] = set()
-    steps = 0
-    while pending or live:
-        if not live and pending:
-            clock.idle_until(pending[0].arrival)
+
+    def intake() -> None:
         now = clock.now()
         while pending and pending[0].arrival <= now:
             r = pending.pop(0)
@@ -113,26 +126,40 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
                 live.add(r.request_id)
             except ValueError as exc:
                 rec.error, rec.finish_reason = str(exc), "error"
-        for rid in list(live):
-            rec = records[rid]
-            if rec.request.abort_after is not None and len(rec.token_ids) >= rec.request.abort_after:
-                engine.abort_request(rid)
-        outs = engine.step()
-        sync()
-        clock.stepped()
-        now = clock.now()
-        for out in outs:
-            rec = records[out.request_id]
-            if out.new_token_ids:
-                rec.token_times.append(now)
-                rec.token_counts.append(len(out.new_token_ids))
-                rec.token_ids += out.new_token_ids
-            if out.finished:
-                rec.finish_reason = out.finish_reason
-                live.discard(out.request_id)
-        steps += 1
-        if max_steps is not None and steps >= max_steps:
-            break
+
+    def intake_between_passes() -> None:
+        clock.passed()
+        intake()
+
+    engine.intake = intake_between_passes
+    steps = 0
+    try:
+        while pending or live:
+            if not live and pending:
+                clock.idle_until(pending[0].arrival)
+            intake()
+            for rid in list(live):
+                rec = records[rid]
+                if rec.request.abort_after is not None and len(rec.token_ids) >= rec.request.abort_after:
+                    engine.abort_request(rid)
+            outs = engine.step()
+            sync()
+            clock.stepped()
+            now = clock.now()
+            for out in outs:
+                rec = records[out.request_id]
+                if out.new_token_ids:
+                    rec.token_times.append(now)
+                    rec.token_counts.append(len(out.new_token_ids))
+                    rec.token_ids += out.new_token_ids
+                if out.finished:
+                    rec.finish_reason = out.finish_reason
+                    live.discard(out.request_id)
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                break
+    finally:
+        engine.intake = None
     return [records[r.request_id] for r in requests]
 
 
@@ -156,7 +183,11 @@ def summarize(records: list[Record], seconds: float) -> dict:
     }
 
 
-MIXED_SCALES = (0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 1.0, 2.0, 100.0)  # half near, a third mid, far
+# Adapter distances from the base (LoRA B scale on the peaked GPU base; see bench.decode.build_model_on_gpu):
+# "mixed" is half near, a third mid, some far, so acceptance varies by adapter; "near" is every adapter near.
+MIXES = {"mixed": (0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 1.0, 1.0, 1.0, 1.0, 2.0, 100.0), "near": (0.1,)}
+MIXED_SCALES = MIXES["mixed"]
+MODES = ("base", "plain", "gated", "forced")
 
 
 def build_workload(work_dir: str, shape: str, num_adapters: int, rank: int, gpu: bool,
@@ -187,6 +218,74 @@ def build_workload(work_dir: str, shape: str, num_adapters: int, rank: int, gpu:
     return model_dir, adapters
 
 
+def mode_spec(mode: str, k: int):
+    """The engine's speculation setting for a mode: None (plain decoding; base-only traffic for "base"), or
+    k drafts with the gate deciding ("gated") or drafting every step ("forced")."""
+    from engine_ext import SpecConfig
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode in ("base", "plain"):
+        return None
+    return SpecConfig(num_draft_tokens=k, gate=mode == "gated")
+
+
+def outputs_digest(records: list[Record]) -> str:
+    """One hash of every request's output tokens: equal across modes exactly when the outputs are."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(f"{r.request.request_id}:{r.finish_reason}:{','.join(map(str, r.token_ids))};".encode())
+    return h.hexdigest()[:16]
+
+
+def spec_delta(before: dict, after: dict) -> dict:
+    """Acceptance, cycles, plain steps and gate decisions between two engine.stats() snapshots."""
+    if "speculative" not in after:
+        return {}
+    drafted = accepted = 0
+    for name, a in after["adapters"].items():
+        b = before.get("adapters", {}).get(name, {})
+        drafted += (a.get("drafted_tokens") or 0) - (b.get("drafted_tokens") or 0)
+        accepted += (a.get("accepted_tokens") or 0) - (b.get("accepted_tokens") or 0)
+    sb, sa = before.get("speculative") or {}, after["speculative"]
+    decisions = {k: v - (sb.get("gate_decisions") or {}).get(k, 0) for k, v in sa["gate_decisions"].items()}
+    return {"acceptance": round(accepted / drafted, 4) if drafted else None, "drafted_tokens": drafted,
+            "cycles": sa["cycles"] - sb.get("cycles", 0), "plain_steps": sa["plain_steps"] - sb.get("plain_steps", 0),
+            "gate_decisions": {k: v for k, v in decisions.items() if v}}
+
+
+def compare(runs: list[dict]) -> list[dict]:
+    """Per load level, the issue's ratios from runs on identical traffic: gated throughput over base-only's,
+    gated TTFT/TPOT over plain's, and gated throughput over the better of plain and forced drafting."""
+    by_load: dict[str, dict[str, dict]] = {}
+    for r in runs:
+        if "crash" not in r:
+            by_load.setdefault(r["run"], {})[r["mode"]] = r
+    out = []
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    for load, m in by_load.items():
+        g, p, f, b = (m.get(k) for k in ("gated", "plain", "forced", "base"))
+        row = {"run": load}
+        if g and b:
+            row["gated_over_base_tput"] = ratio(g["tokens_per_s"], b["tokens_per_s"])
+            row["gated_over_base_tpot_p50"] = ratio(g["tpot_ms"]["p50"], b["tpot_ms"]["p50"])
+        if p and b:
+            row["plain_over_base_tput"] = ratio(p["tokens_per_s"], b["tokens_per_s"])
+        if g and p:
+            for key in ("ttft_ms", "tpot_ms"):
+                for q in ("p50", "p99"):
+                    row[f"gated_over_plain_{key[:4]}_{q}"] = ratio(g[key][q], p[key][q])
+            row["outputs_equal_plain"] = g["outputs"] == p["outputs"]
+        if g and (p or f):
+            best = max(x["tokens_per_s"] for x in (p, f) if x)
+            row["gated_over_best_tput"] = ratio(g["tokens_per_s"], best)
+        out.append(row)
+    return out
+
+
 def _cache_entries(path: str | None) -> int | None:
     return len(os.listdir(path)) if path and os.path.isdir(path) else None
 
@@ -197,23 +296,36 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--adapters", type=int, default=48)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--mix", choices=sorted(MIXES), default="mixed", help="adapters' distances from the base")
     ap.add_argument("--max-loras", type=int, default=32)
     ap.add_argument("--max-rank", type=int, default=64, help="slot rank (EngineConfig.max_lora_rank's default)")
     ap.add_argument("--spec", type=int, default=4, help="draft tokens (0: plain multi-LoRA)")
     ap.add_argument("--no-gate", action="store_true")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                    help="modes to run on identical traffic, each over every run (default: the one --spec and "
+                         "--no-gate name). base: every request on the base model; plain: multi-LoRA decoding; "
+                         "gated: --spec drafts, the gate deciding; forced: --spec drafts every step")
     ap.add_argument("--runs", nargs="+", default=["poisson:10"],
                     help="one run each, on one engine: poisson:RATE, gamma:RATE:CV or burst")
     ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="requests of the first run's traffic served unmeasured before each mode's runs (the "
+                         "gate learns pass times and acceptance as a long-running server's has)")
     ap.add_argument("--popularity", default="zipf:1.0")
     ap.add_argument("--base-share", type=float, default=0.2)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[64, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
     ap.add_argument("--compile-cache", default=None, help="Triton cache dir (an empty one: a cold start)")
     ap.add_argument("--debug-checks", action="store_true")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="torch intra-op threads on a CPU (1 is fastest for the tiny shape on a shared machine)")
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    modes = args.modes or ["plain" if not args.spec else "forced" if args.no_gate else "gated"]
+    if args.spec <= 0 and any(m in ("gated", "forced") for m in modes):
+        ap.error("gated and forced modes need --spec > 0")
 
     import torch
 
@@ -221,8 +333,10 @@ def main() -> None:
     from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
 
     gpu = args.device.startswith("cuda")
-    model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu)
-    spec = SpecConfig(num_draft_tokens=args.spec, gate=not args.no_gate) if args.spec else None
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu, MIXES[args.mix])
+    spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
     fast = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
                 max_graph_tokens=512, kv_cache_memory_gb=24) if gpu else dict(num_kv_blocks=4096)
     cfg = EngineConfig(model=model_dir, device=args.device, dtype="bfloat16" if gpu else "float32",
@@ -237,45 +351,66 @@ def main() -> None:
     sync = (lambda: torch.cuda.synchronize()) if gpu else (lambda: None)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
-    result = {"machine": machine(), "shape": args.shape, "spec": args.spec, "gate": not args.no_gate,
+    result = {"machine": machine(), "shape": args.shape, "spec": args.spec, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
               "startup": startup, "cache_entries_before": before,
               "cache_entries_ready": ready_entries, "runs": []}
     vocab = SHAPES[args.shape][5]
-    for i, run_spec in enumerate(args.runs):
+
+    def traffic_for(i: int, run_spec: str, mode: str, num_requests: int) -> list[Request]:
         arrival, *nums = run_spec.split(":")
         rate, cv = (float(nums[0]) if nums else 1.0), (float(nums[1]) if len(nums) > 1 else 1.0)
-        traffic = TrafficConfig(num_requests=args.requests, arrival=arrival, rate=rate, cv=cv,
-                                adapters=tuple(adapters), popularity=args.popularity, base_share=args.base_share,
-                                prompt_len=tuple(args.prompt_len), output_len=tuple(args.output_len), vocab=vocab,
-                                seed=args.seed + i)
-        requests = generate(traffic)
-        run = {"run": run_spec}
-        start = time.perf_counter()
-        try:
-            records = replay(engine, requests, WallClock(),
-                             lambda r: SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), sync=sync)
-            run |= summarize(records, time.perf_counter() - start)
-        except Exception as exc:  # a crash is the result: report it, with how far the run got
-            run |= {"crash": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:],
-                    "seconds": round(time.perf_counter() - start, 2)}
-            print("run", json.dumps({"run": run_spec, "crash": run["crash"]}), file=sys.stderr)
+        requests = generate(TrafficConfig(
+            num_requests=num_requests, arrival=arrival, rate=rate, cv=cv, adapters=tuple(adapters),
+            popularity=args.popularity, base_share=args.base_share, prompt_len=tuple(args.prompt_len),
+            output_len=tuple(args.output_len), vocab=vocab, seed=args.seed + i))
+        if mode == "base":  # the same arrivals and lengths, every request on the base model alone
+            requests = [dataclasses.replace(r, adapter=None) for r in requests]
+        return requests
+
+    def params_for(r: Request):
+        return SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+
+    crashed = False
+    for mode in modes:
+        engine.set_speculation(mode_spec(mode, args.spec))
+        if args.warmup:
+            warm = traffic_for(0, args.runs[0], mode, args.warmup)
+            replay(engine, [dataclasses.replace(r, request_id="w" + r.request_id) for r in warm], WallClock(),
+                   params_for, sync=sync)
+        for i, run_spec in enumerate(args.runs):
+            requests = traffic_for(i, run_spec, mode, args.requests)
+            run = {"run": run_spec, "mode": mode}
+            stats_before = engine.stats()
+            start = time.perf_counter()
+            try:
+                records = replay(engine, requests, WallClock(), params_for, sync=sync)
+                run |= summarize(records, time.perf_counter() - start)
+                run["outputs"] = outputs_digest(records)
+            except Exception as exc:  # a crash is the result: report it, with how far the run got
+                run |= {"crash": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:],
+                        "seconds": round(time.perf_counter() - start, 2)}
+                print("run", json.dumps({"run": run_spec, "mode": mode, "crash": run["crash"]}), file=sys.stderr)
+                result["runs"].append(run)
+                crashed = True
+                break
+            stats = engine.stats()
+            run |= spec_delta(stats_before, stats)
+            run["cache_entries_after"] = _cache_entries(args.compile_cache)
+            run["compiled_while_serving"] = (None if ready_entries is None
+                                             else run["cache_entries_after"] - ready_entries)
+            ready_entries = run["cache_entries_after"]
+            run["preemptions"] = stats["num_preemptions"]
+            run["free_kv_blocks_after"] = stats["free_kv_blocks"] == stats["total_kv_blocks"]
             result["runs"].append(run)
+            print("run", json.dumps({k: run.get(k) for k in (
+                "mode", "run", "finished", "seconds", "tokens_per_s", "ttft_ms", "tpot_ms", "itl_p99_ms",
+                "acceptance", "compiled_while_serving", "cycles", "plain_steps")}), file=sys.stderr)
+        if crashed:
             break
-        stats = engine.stats()
-        run["cache_entries_after"] = _cache_entries(args.compile_cache)
-        run["compiled_while_serving"] = (None if ready_entries is None
-                                         else run["cache_entries_after"] - ready_entries)
-        ready_entries = run["cache_entries_after"]
-        if "speculative" in stats:
-            run["gate_decisions"] = stats["speculative"]["gate_decisions"]
-            run["cycles"], run["plain_steps"] = stats["speculative"]["cycles"], stats["speculative"]["plain_steps"]
-        run["preemptions"] = stats["num_preemptions"]
-        run["free_kv_blocks_after"] = stats["free_kv_blocks"] == stats["total_kv_blocks"]
-        result["runs"].append(run)
-        print("run", json.dumps({k: run.get(k) for k in ("run", "finished", "finish_reasons", "seconds", "tokens_per_s",
-                                                         "ttft_ms", "tpot_ms", "itl_p99_ms", "compiled_while_serving",
-                                                         "cycles", "plain_steps")}), file=sys.stderr)
+    result["compare"] = compare(result["runs"])
+    for row in result["compare"]:
+        print("compare", json.dumps(row), file=sys.stderr)
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w") as f:

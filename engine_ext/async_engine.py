@@ -22,6 +22,10 @@ class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # New requests apart from other commands: a speculative cycle takes them in between its passes
+        # (LLMEngine.intake); aborts and the rest wait for the step to end.
+        self._arrivals: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine.intake = self._take_arrivals
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -37,6 +41,7 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         while not self._stopped:
+            self._take_arrivals()  # before the other commands: an abort follows its request's arrival
             while not self._commands.empty():
                 self._commands.get()()
             if not self.engine.has_unfinished_requests:
@@ -65,6 +70,10 @@ class AsyncLLMEngine:
             self.engine.seqs.pop(rid, None)
             self._deliver(rid, (_FAILED, error))
 
+    def _take_arrivals(self) -> None:
+        while not self._arrivals.empty():
+            self._arrivals.get()()
+
     def _submit(self, fn) -> None:
         self._commands.put(fn)
         self._wake.set()
@@ -91,7 +100,8 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(added.set_exception, e)
 
         try:
-            self._submit(add)
+            self._arrivals.put(add)
+            self._wake.set()
             await added  # validation errors surface here, before any token
             while True:
                 item = await q.get()

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .sampler import sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence
 from .speculation import DraftCycle, Gate, NoSpeculation, Plan, StepResult
 from .stats import EngineStats
@@ -59,6 +60,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}
+        # Set by a serving loop: adds the requests that arrived since it last added any (add_request). A
+        # speculative cycle calls it between its passes, and what it admits joins the cycle's verify pass instead
+        # of waiting for the next step (DraftCycle.run's `join`).
+        self.intake: Callable[[], None] | None = None
         self._removals_seen = 0
         self._ids = itertools.count()
         self.set_speculation(config.speculative)
@@ -140,13 +145,25 @@ class LLMEngine:
         self._fail_orphans()
         batch = self.scheduler.schedule(lookahead=self.gate.lookahead)
         plan = self.gate.plan(batch)
-        result = self.cycle.run(plan) if plan.speculate else self._plain_step(plan)
+        result = self.cycle.run(plan, self._joiner(batch)) if plan.speculate else self._plain_step(plan)
         self.scheduler.trim(batch)  # drafting room nothing was written to goes back
         self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
         self.counters.steps += 1
         outputs = self._emit(batch.seqs)
         self.gate.observe(plan, result, time.perf_counter() - start)  # priced by the whole step, emitting included
         return outputs
+
+    def _joiner(self, batch: ScheduledBatch) -> Callable[[], list[Sequence]] | None:
+        """What a cycle calls between passes to take in arrivals and admit them into its batch (None: nothing
+        can arrive during a step)."""
+        if self.intake is None:
+            return None
+
+        def join() -> list[Sequence]:
+            self.intake()
+            return self.scheduler.admit(batch) if self.scheduler.waiting else []
+
+        return join
 
     def _plain_step(self, plan: Plan) -> StepResult:
         """One adapter-on forward over the scheduled sequences; one new token each."""

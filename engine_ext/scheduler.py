@@ -16,6 +16,7 @@ class ScheduledBatch:
     num_preempted: int = 0
     lookahead: int = 0  # drafting positions reserved past each sequence's tokens
     closed: bool = False  # nothing was left waiting: no request can join this batch
+    budget: int = 0  # batched tokens left for prompts that join it (Scheduler.admit)
 
     @property
     def empty(self) -> bool:
@@ -107,7 +108,16 @@ class Scheduler:
         if batch.num_preempted:
             return batch  # memory is tight: let the running ones progress before admitting more
 
-        budget = self.max_num_batched_tokens - len(batch.seqs) * (1 + lookahead)
+        batch.budget = self.max_num_batched_tokens - len(batch.seqs) * (1 + lookahead)
+        self.admit(batch)
+        return batch
+
+    def admit(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Admit waiting requests into `batch` (appended to batch.seqs as prefills) while blocks, sequence
+        slots, its token budget and adapter slots allow; FCFS. Called at scheduling, and again by a speculative
+        cycle for requests that arrived while it drafted (their prompts join its verify pass). -> the admitted."""
+        lookahead, budget = batch.lookahead, batch.budget
+        admitted: list[Sequence] = []
         issued = False
         skipped: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -140,12 +150,13 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running[seq.request_id] = seq
             batch.seqs.append(seq)
+            admitted.append(seq)
             budget -= need
         self.waiting.extendleft(reversed(skipped))
         if len(self._cold) > len(self.waiting):  # forget requests that left while waiting (aborted)
             self._cold &= {s.request_id for s in self.waiting}
-        batch.closed = not self.waiting
-        return batch
+        batch.closed, batch.budget = not self.waiting, budget
+        return admitted
 
     def trim(self, batch: ScheduledBatch) -> None:
         """After the step: give back the drafting room (lookahead blocks) nothing was written to."""

@@ -121,6 +121,11 @@ class PassClock:
         event.record()
         self._marks.append(event)
 
+    def wait(self, i: int) -> None:
+        """Block the host until the device has passed mark i (on a CPU every mark is already past)."""
+        if self.cuda:
+            self._marks[i].synchronize()
+
     def spans(self) -> list[float]:
         """Seconds between consecutive marks (call after a sync that covers every pass), and reset."""
         marks, self._marks = self._marks, []

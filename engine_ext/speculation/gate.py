@@ -52,7 +52,9 @@ class Plan:
     seqs: list[Sequence] = field(default_factory=list)  # the scheduled batch
     speculate: bool = False
     lengths: dict[int, int] = field(default_factory=dict)  # id(seq) -> draft length, adapter sequences decoding
-    riders: list[Sequence] = field(default_factory=list)  # base-only sequences decoding (a draft pass is theirs)
+    # Sequences decoding in every drafting pass, each pass a plain step for them: base-only ones, and adapter ones
+    # that ride (Gate.rides) with their adapter on in those passes instead of drafting
+    riders: list[Sequence] = field(default_factory=list)
     decoding: int = 0  # sequences decoding (the rest are prefills)
     distinct: int = 0  # distinct adapters among the decoding sequences
     timed: bool = True  # False while the step may capture CUDA graphs: its times are no pass's
@@ -129,17 +131,29 @@ class Gate:
                     distinct=len(set(names)), timed=not self.capturing())
         if batch.empty:
             return plan
-        lengths = self._choose(lora, names, len(decoding), len(plan.riders), batch)
+        ride = [self.rides(s) for s in lora]
+        lengths = self._choose(lora, names, len(decoding), len(plan.riders), batch, ride)
         self.note_step(names, lengths)
         if lengths is None:
             self.counters.plain_steps += 1
         else:
             self.counters.cycles += 1
             plan.speculate, plan.lengths = True, dict(zip(map(id, lora), lengths))
+            plan.riders += [s for s, r in zip(lora, ride) if r]
         return plan
 
+    def rides(self, s: Sequence) -> bool:
+        """An adapter sequence decodes in the drafting passes with its adapter on (a token per pass, as a base-only
+        sequence does) instead of drafting, when its adapter's acceptance is below min_acceptance: drafting would
+        give it about one token per cycle, as slow as the cycle is long, where riding gives one per pass. Its
+        adapter is re-measured (one draft) once it has ridden `probe_interval` steps. Not with the gate off."""
+        if not self.cfg.gate or not s.params.can_draft:
+            return False
+        a = self.adapter(s.adapter)
+        return a.ema < self.cfg.min_acceptance and not (self.probe_interval and a.idle_steps >= self.probe_interval)
+
     def _choose(self, lora: list[Sequence], names: list[str], decoding: int, num_base: int,
-                batch: ScheduledBatch) -> list[int] | None:
+                batch: ScheduledBatch, ride: list[bool]) -> list[int] | None:
         """Draft lengths for the adapter sequences, or None for a plain step."""
         if not lora:
             return None
@@ -158,8 +172,8 @@ class Gate:
             return None
         caps = [self._cap(s) for s in lora]
         left = [s.tokens_left(self.max_model_len) for s in lora] if batch.closed else None
-        lengths = self.draft_lengths(names, caps, decoding, left)
-        speculate = self.decide(names, lengths, num_base, caps, left)
+        lengths = self.draft_lengths(names, caps, decoding, left, ride)
+        speculate = self.decide(names, lengths, num_base, caps, left, ride)
         self._hold, self._hold_names = (0 if speculate else self.hold_steps()), names
         self._reserve = not self._hold
         return lengths if speculate else None
@@ -233,11 +247,12 @@ class Gate:
 
     # ------------------------------------------------------------ the cost model
     def draft_lengths(self, adapters: list[str], caps: list[int], batch: int,
-                      left: list[int] | None = None) -> list[int]:
+                      left: list[int] | None = None, ride: list[bool] | None = None) -> list[int]:
         """Per adapter sequence, a draft length in 0..min(k, cap).
 
-        For each M in 1..k every adapter first drafts M, or one token if its acceptance is below
-        `min_acceptance` (its first draft costs one verify token and keeps its estimate current); then, once the
+        For each M in 1..k every adapter first drafts M, none if it rides (`ride`, see `rides`: it decodes in the
+        M passes), or one token if its acceptance is below `min_acceptance` (its first draft costs one verify
+        token and keeps its estimate current); then, once the
         verify pass's cost per token is known (two measured sizes), each keeps only the drafts that repay their
         verify tokens, and at least one: its j-th draft adds a^j expected tokens for one more verify token, worth
         it while a^j >= rate x seconds per verify token (rate: the cycle's predicted tokens per second). M
@@ -252,11 +267,13 @@ class Gate:
         self._choice = None
         if not self.cfg.gate:
             return [min(k, c) for c in caps]
+        ride = ride or [False] * len(adapters)
+        riding = _riding(adapters, ride)
         accs, slowest = self._estimates(adapters, left)
         low = [a < self.cfg.min_acceptance for a in accs]
 
         def lengths(passes: int) -> list[int]:
-            return [min(1 if lo else passes, cap) for lo, cap in zip(low, caps)]
+            return [0 if r else min(1 if lo else passes, cap) for r, lo, cap in zip(ride, low, caps)]
 
         if self.probe_due():
             return lengths(1)  # a long run of plain steps re-measures drafting with the cheapest cycle
@@ -264,14 +281,14 @@ class Gate:
         distinct = len(set(adapters))
         # The same inputs give the same lengths: in a run of plain steps (where only plain's price moves) the
         # search below would otherwise be paid again every step.
-        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version, slowest and tuple(slowest))
+        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version, slowest and tuple(slowest), tuple(ride))
         if self._search is not None and self._search[0] == key:
             self._choice = (adapters, *self._search[1])
             return self._choice[1]
         best, best_rate = lengths(1), None
         for passes in range(1, k + 1):
             cand = lengths(passes)
-            rate = self._rate(accs, cand, num_base, distinct, slowest)
+            rate = self._rate(accs, cand, num_base, distinct, slowest, ride, riding)
             if rate is None:
                 continue
             per_token = self.times.slope("lora", sum(cand) + len(cand) + num_base, distinct)
@@ -279,7 +296,7 @@ class Gate:
                 worth = rate * per_token
                 pruned = [min(m, max(1, useful_drafts(a, worth))) if m > 1 else m for m, a in zip(cand, accs)]
                 if pruned != cand:
-                    cand, rate = pruned, self._rate(accs, pruned, num_base, distinct)
+                    cand, rate = pruned, self._rate(accs, pruned, num_base, distinct, None, ride, riding)
             if best_rate is None or rate > best_rate:
                 best, best_rate = cand, rate
         self._search = (key, (best, best_rate, slowest))
@@ -315,26 +332,28 @@ class Gate:
         return self._rate([self.adapter(a).ema for a in adapters], lengths, num_base, len(set(adapters)))
 
     def _rate(self, accs: list[float], lengths: list[int], num_base: int, distinct: int,
-              slowest: list[int] | None = None) -> float | None:
+              slowest: list[int] | None = None, ride: list[bool] | None = None, riding: int = 0) -> float | None:
         """predicted_rate's arithmetic. `slowest`: a closed batch's tokens to go, when its slowest sequence prices
-        it (`_estimates`): the batch's tokens over the time that sequence takes at this cycle."""
+        it (`_estimates`): the batch's tokens over the time that sequence takes at this cycle. `ride`: which
+        adapter sequences ride (a token per pass, like a base-only one), `riding` their distinct adapters, which
+        the drafting passes then read (priced as base passes with that many adapters)."""
         passes = max(lengths, default=0)
         if not passes:
             return None
         batch = len(accs) + num_base
-        t_base = self.times.get("base", batch, 0)
+        t_base = self.times.get("base", batch, riding)
         t_verify = self.adapter_on_time(sum(lengths) + len(lengths) + num_base, distinct)
         if t_base is None or t_verify is None:
             return None
         t_over = self.times.get("overhead", batch, 0) or 0.0
         t_cycle = t_over + passes * t_base + t_verify
-        gains = [expected_tokens(a, m) for a, m in zip(accs, lengths)]
+        gains = [passes + 1.0 if r else expected_tokens(a, m) for a, m, r in zip(accs, lengths, ride or [False] * len(accs))]
         if slowest:
             return sum(slowest) / (max(n / g for n, g in zip(slowest, gains)) * t_cycle)
         return (sum(gains) + num_base * (passes + 1)) / t_cycle
 
     def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None,
-               left: list[int] | None = None) -> bool:
+               left: list[int] | None = None, ride: list[bool] | None = None) -> bool:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);
         False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them."""
         batch, distinct = len(adapters) + num_base, len(set(adapters))
@@ -361,7 +380,7 @@ class Gate:
             spec_rate, slowest = self._choice[2], self._choice[3]  # the rate draft_lengths priced these lengths at
         else:
             accs, slowest = self._estimates(adapters, left)
-            spec_rate = self._rate(accs, lengths, num_base, distinct, slowest)
+            spec_rate = self._rate(accs, lengths, num_base, distinct, slowest, ride, _riding(adapters, ride or []))
         if spec_rate is None:
             self.count(Decision.SPECULATE_EXPLORE, "no base-only or adapter-on pass measured yet")
             return True
@@ -392,3 +411,8 @@ class Gate:
     @property
     def decisions(self):
         return self.counters.gate_decisions
+
+
+def _riding(adapters: list[str], ride: list[bool]) -> int:
+    """Distinct adapters among the riding sequences."""
+    return len({a for a, r in zip(adapters, ride) if r})

@@ -51,7 +51,8 @@ def _run(workload, backend, spec):
                                     **backend))
     for n, p in adapters.items():
         engine.add_adapter(n, p)
-    records = replay(engine, requests, StepClock(dt=0.01),
+    # each time a cycle takes arrivals in between passes, 2 ms pass: requests land during cycles and join them
+    records = replay(engine, requests, StepClock(dt=0.01, pass_dt=0.002),
                      lambda r: SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), max_steps=5000)
     return engine, records
 
@@ -86,6 +87,8 @@ def test_every_request_finishes_and_greedy_output_equals_plain(workload, backend
     assert stats["num_preemptions"] > 0
     if MODES[mode] is not None:
         assert stats["speculative"]["cycles"] > 0
+        # requests arrived during cycles, joined their verify passes and cut drafting short
+        assert stats["speculative"]["joined"] > 0 and stats["speculative"]["cut_cycles"] > 0
 
 
 def test_traffic_is_seeded_and_follows_its_arrival_process():

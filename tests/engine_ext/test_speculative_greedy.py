@@ -115,7 +115,7 @@ def test_identical_with_different_draft_lengths_per_adapter(setup, backend):
     model, adapters, expected = setup
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=5, gate=False), **backend)
     length = {"near-r8": 1, "mid-r16": 3, "far-r64": 0, "near-r32-rslora": 5}
-    engine.gate.draft_lengths = lambda names, caps, batch, left=None: [
+    engine.gate.draft_lengths = lambda names, caps, batch, left=None, ride=None: [
         min(c, length[n]) for n, c in zip(names, caps)]
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
     assert [o.token_ids for o in outs] == expected
@@ -125,6 +125,73 @@ def test_identical_with_different_draft_lengths_per_adapter(setup, backend):
         ad = stats["adapters"][name]
         assert ad["drafted_tokens"] <= m * (ad.get("verifies") or 0)
         assert (ad["drafted_tokens"] > 0) == (m > 0)
+
+
+@pytest.mark.parametrize("schedule", ["one-sync", "pass-by-pass"])
+def test_adapter_riders_decode_in_the_drafting_passes(setup, backend, schedule):
+    """An adapter sequence the gate lets ride decodes with its adapter on in every drafting pass (a mixed pass:
+    adapters off for the drafters, on for it) and still gives plain decoding's tokens, in both schedules."""
+    model, adapters, expected = setup
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False), **backend)
+    engine.gate.rides = lambda s: s.adapter in ("far-r64", "mid-r16")
+    engine.gate.draft_lengths = lambda names, caps, batch, left=None, ride=None: [
+        0 if n in ("far-r64", "mid-r16") else c for n, c in zip(names, caps)]
+    prompts, params, names = PROMPTS, [PARAMS] * len(PROMPTS), NAMES
+    if schedule == "pass-by-pass":  # a sampled request sends the cycles down the pass-by-pass path
+        prompts = prompts + [[2, 4, 6]]
+        params = params + [SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)]
+        names = names + ["near-r8"]
+    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=names)
+    assert [o.token_ids for o in outs[: len(PROMPTS)]] == expected
+    stats = engine.stats()
+    for name in ("far-r64", "mid-r16"):  # they rode: nothing drafted, every token decoded
+        assert stats["adapters"][name]["drafted_tokens"] == 0
+    assert stats["adapters"]["near-r8"]["drafted_tokens"] > 0
+    # drafting passes that read the riders' adapters were timed as such (the gate prices them apart)
+    assert any(kind == "base" and adapters_in > 0 for kind, _, adapters_in in engine.gate.times._t)
+    spec = stats["speculative"]
+    assert (spec["greedy_cycles"] == spec["cycles"]) == (schedule == "one-sync")
+
+
+def _late_arrival_run(engine, during_the_step: bool):
+    """Three requests decode; a fourth arrives before the second step, or while it runs (through `intake`, the
+    first time the step asks, as a serving loop adds it) -> (that step's outputs, every request's final tokens)."""
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
+    engine.step()  # their prompts
+
+    def late() -> None:
+        engine.add_request("late", prompt_token_ids=PROMPTS[4], sampling_params=PARAMS, adapter_name=NAMES[4])
+
+    if during_the_step:
+        engine.intake = lambda: engine.seqs.get("late") is None and late()
+    else:
+        late()
+    outs = engine.step()
+    engine.intake = None
+    final = {o.request_id: o.token_ids for o in outs if o.finished}
+    while engine.has_unfinished_requests:
+        final |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    return outs, final
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_request_arriving_during_a_cycle_joins_its_verify_pass(setup, backend, k):
+    """Drafting stops at the arrival and the new prompt runs in the verify pass: its first token comes with that
+    step, not after another cycle, and every output is still plain decoding's."""
+    model, adapters, _ = setup
+    _, reference = _late_arrival_run(make_engine(model, adapters, None, **backend), during_the_step=False)
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=k, gate=False), **backend)
+    outs, final = _late_arrival_run(engine, during_the_step=True)
+    late = [o for o in outs if o.request_id == "late"]
+    assert len(late) == 1 and len(late[0].token_ids) == 1  # its first token came with the step it arrived in
+    spec = engine.stats()["speculative"]
+    assert spec["joined"] == 1
+    # asked after the first drafting pass: a k-pass cycle stops there (one pass run); a 1-pass one has none
+    # left to skip, and the prompt joins its verify pass all the same
+    assert spec["cut_cycles"] == (k > 1)
+    assert final == reference
+    assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
 
 
 def test_sampled_request_takes_the_pass_by_pass_cycle(setup, backend):
