@@ -1,7 +1,7 @@
-"""Adapter-affinity benchmark: the real Serve app on CPU, 20 adapters, a Zipf request mix,
+"""Adapter-affinity benchmark: the real Serve app on CPU, N adapters, a Zipf request mix,
 once with `router.AffinityRouter` and once with Ray Serve's default router. Prints JSON.
 
-    python bench/affinity.py [--replicas 2] [--requests 400] [--concurrency 4]
+    python bench/affinity.py [--replicas 2] [--adapters 20] [--capacity 64] [--requests 400] [--concurrency 4]
 
 A request is a hit when the replica that served it already held the adapter (header
 `x-loraserve-adapter-hit`); each adapter's very first request is left out (it must load
@@ -28,6 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from affinity_mix import score, send_mix, zipf_mix  # noqa: E402
 
 KEY = "sk-bench-key-0001"
+# Ray's logical CPUs are scheduling tokens, not cores: the cluster gets 2 of them whatever the machine,
+# the ingress a quarter and the LLM replicas split the rest, so any replica count fits.
+CLUSTER_CPUS = 2
+INGRESS_CPUS = 0.25
+
+
+def replica_cpus(replicas: int) -> float:
+    """Each LLM replica's CPU share: 0.5 while that fits, else an equal split of what the ingress leaves."""
+    return min(0.5, (CLUSTER_CPUS - INGRESS_CPUS) / replicas)
 
 
 def _free_port() -> int:
@@ -44,7 +53,8 @@ def _setup(root: Path, affinity: bool, replicas: int, adapters: list[str], push:
     incoming = root / "incoming"
     incoming.mkdir(parents=True)
     args = {
-        "demo_recipe": "quick", "num_replicas": replicas, "num_cpus_per_replica": 0.5, "ingress_num_cpus": 0.25,
+        "demo_recipe": "quick", "num_replicas": replicas, "num_cpus_per_replica": replica_cpus(replicas),
+        "ingress_num_cpus": INGRESS_CPUS,
         "routing_stats_period_s": 0.5, "api_keys": {KEY: "bench"}, "admin_token": "bench-admin-token",
         "tenant_rate": {"rate": 1e6, "burst": 1e6}, "adapter_rate": {"rate": 1e6, "burst": 1e6},
         "affinity_router": affinity, "push_residency": push,
@@ -100,7 +110,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=CLUSTER_CPUS, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
