@@ -249,8 +249,11 @@ def spec_delta(before: dict, after: dict) -> dict:
         accepted += (a.get("accepted_tokens") or 0) - (b.get("accepted_tokens") or 0)
     sb, sa = before.get("speculative") or {}, after["speculative"]
     decisions = {k: v - (sb.get("gate_decisions") or {}).get(k, 0) for k, v in sa["gate_decisions"].items()}
+    passes = {k: v - (sb.get("cycle_passes") or {}).get(k, 0) for k, v in sa["cycle_passes"].items()}
     return {"acceptance": round(accepted / drafted, 4) if drafted else None, "drafted_tokens": drafted,
             "cycles": sa["cycles"] - sb.get("cycles", 0), "plain_steps": sa["plain_steps"] - sb.get("plain_steps", 0),
+            "cycle_passes": {str(k): v for k, v in sorted(passes.items()) if v},
+            "joined": sa["joined"] - sb.get("joined", 0), "cut_cycles": sa["cut_cycles"] - sb.get("cut_cycles", 0),
             "gate_decisions": {k: v for k, v in decisions.items() if v}}
 
 

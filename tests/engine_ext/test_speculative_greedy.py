@@ -160,8 +160,8 @@ def _late_arrival_run(engine, during_the_step: bool):
         engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
     engine.step()  # their prompts
 
-    def late() -> None:
-        engine.add_request("late", prompt_token_ids=PROMPTS[4], sampling_params=PARAMS, adapter_name=NAMES[4])
+    def late() -> None:  # on an adapter already in a slot (a cold one waits for its copy, whenever it arrives)
+        engine.add_request("late", prompt_token_ids=PROMPTS[4], sampling_params=PARAMS, adapter_name=NAMES[0])
 
     if during_the_step:
         engine.intake = lambda: engine.seqs.get("late") is None and late()
