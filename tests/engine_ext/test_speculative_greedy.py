@@ -158,7 +158,9 @@ def _late_arrival_run(engine, during_the_step: bool):
     first time the step asks, as a serving loop adds it) -> (that step's outputs, every request's final tokens)."""
     for i in range(3):
         engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
-    engine.step()  # their prompts
+    started: set[str] = set()
+    while len(started) < 3:  # their prompts (on a GPU adapter copies land between steps, one at a time)
+        started |= {o.request_id for o in engine.step() if o.token_ids}
 
     def late() -> None:  # on an adapter already in a slot (a cold one waits for its copy, whenever it arrives)
         engine.add_request("late", prompt_token_ids=PROMPTS[4], sampling_params=PARAMS, adapter_name=NAMES[0])
