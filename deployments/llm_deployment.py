@@ -16,14 +16,12 @@ from deployments.serve_internals import residency_publisher
 
 __all__ = ["LLMDeployment"]
 
-_IMPORTED_AT = time.time()  # when Ray deserialised this class in the replica's process (a start-up mark)
-
 
 @serve.deployment(name="LLMServer")
 class LLMDeployment:
     async def __init__(self, config: dict[str, Any], placement: Any = None):
         # Wall-clock marks of this replica's start-up (describe()["startup"]): where a replacement's time goes.
-        marks = {"process_started": _process_started_at(), "module_imported": _IMPORTED_AT, "constructor": time.time()}
+        marks = {"process_started": _process_started_at(), "constructor": time.time()}
         import torch
 
         from deployments.bootstrap import make_registry, replica_model_dir
@@ -62,7 +60,7 @@ class LLMDeployment:
 
     async def describe(self) -> dict[str, Any]:
         """Replica id, known adapters, routing stats, placement share and start-up: wall-clock marks
-        (process_started, module_imported, constructor, imports_done, model_dir_ready, engine_ready, ready, first_chunk_sent)
+        (process_started, constructor, imports_done, model_dir_ready, engine_ready, ready, first_chunk_sent)
         and the engine's own seconds (tests and operators)."""
         return {"replica": self.server.replica_id, "adapters": self.server.adapters.known(),
                 "stats": self.server.record_routing_stats(), "placement": self.server.placement.share,

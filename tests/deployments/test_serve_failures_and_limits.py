@@ -179,7 +179,8 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
             outcomes.append((kind, got))
 
     def worker():  # the load runs its 20 s, and on until the replacement has served a request (or gave up)
-        while time.monotonic() < stop_at or not replaced.get("done", True):
+        give_up_at = stop_at + REPLACEMENT_BOUND_S
+        while time.monotonic() < stop_at or (not replaced["done"] and time.monotonic() < give_up_at):
             one()
 
     with cf.ThreadPoolExecutor(42) as pool:  # 10 workers in a loop, then bursts of 16
