@@ -4,6 +4,7 @@ delegates to `deployments.llm_server.LLMServer`."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -19,16 +20,22 @@ __all__ = ["LLMDeployment"]
 @serve.deployment(name="LLMServer")
 class LLMDeployment:
     async def __init__(self, config: dict[str, Any], placement: Any = None):
+        # Wall-clock marks of this replica's start-up (describe()["startup"]): where a replacement's time goes.
+        marks = {"process_started": _process_started_at(), "constructor": time.time()}
         import torch
 
         from deployments.bootstrap import make_registry, replica_model_dir
-        from engine_ext import AsyncLLMEngine
+        from engine_ext import AsyncLLMEngine, LLMEngine
 
+        marks["imports_done"] = time.time()
         cfg = AppConfig.model_validate(config)
         torch.set_num_threads(cfg.torch_threads)
         registry = make_registry(cfg)
         model_dir = await asyncio.to_thread(replica_model_dir, cfg, registry)  # may download the base model
-        engine = AsyncLLMEngine(engine_config(cfg, model_dir))
+        marks["model_dir_ready"] = time.time()
+        llm = LLMEngine(engine_config(cfg, model_dir))
+        marks["engine_ready"] = time.time()
+        engine = AsyncLLMEngine(llm.config, llm)
         replica_id = serve.get_replica_context().replica_id.unique_id
         publish = residency_publisher() if cfg.push_residency else None
         sync = None
@@ -36,9 +43,14 @@ class LLMDeployment:
             sync = lambda rid, report: placement.sync.remote(rid, report)  # noqa: E731 - awaiting gives the result
         self.server = LLMServer(cfg, engine, registry, replica_id, publish, placement_sync=sync)
         await self.server.start()
+        marks["ready"] = time.time()
+        marks["engine"] = dict(llm.startup)  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
+        self.startup = marks
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
         async for chunk in self.server.generate(req):
+            if "first_chunk_sent" not in self.startup:
+                self.startup["first_chunk_sent"] = time.time()
             yield chunk
 
     # async: runs on the replica's event loop, like generate(), so it never reads the adapter
@@ -47,9 +59,12 @@ class LLMDeployment:
         return self.server.record_routing_stats()
 
     async def describe(self) -> dict[str, Any]:
-        """Replica id, known adapters and blocked names (tests and operators)."""
+        """Replica id, known adapters, routing stats, placement share and start-up: wall-clock marks
+        (process_started, constructor, imports_done, model_dir_ready, engine_ready, ready, first_chunk_sent)
+        and the engine's own seconds (tests and operators)."""
         return {"replica": self.server.replica_id, "adapters": self.server.adapters.known(),
-                "stats": self.server.record_routing_stats(), "placement": self.server.placement.share}
+                "stats": self.server.record_routing_stats(), "placement": self.server.placement.share,
+                "startup": self.startup}
 
     def check_health(self) -> None:
         if not self.server.engine._thread.is_alive():  # noqa: SLF001 - the engine has no public probe
@@ -58,3 +73,10 @@ class LLMDeployment:
     async def __del__(self):
         await self.server.stop()
         self.server.engine.shutdown()
+
+
+def _process_started_at() -> float:
+    """When this worker process started (wall clock): a replacement's time from the kill to its constructor."""
+    import psutil  # a Ray dependency
+
+    return psutil.Process().create_time()

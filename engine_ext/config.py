@@ -45,7 +45,9 @@ class EngineConfig:
     max_cpu_loras: int = 64  # adapters kept parsed in host memory (LRU)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # None: 0.5 GiB on CPU, 85% of free memory on a GPU
+    # None: on CPU 0.5 GiB or what max_num_seqs sequences of the longest length use, if less; 85% of free memory
+    # on a GPU
+    kv_cache_memory_gb: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -24,16 +23,9 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence
 from .speculation import DraftCycle, Gate, NoSpeculation, Plan, StepResult
 from .stats import EngineStats
+from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_dir: str):
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 class LLMEngine:

@@ -10,7 +10,7 @@ import torch
 from .adapter_slots import AdapterSlots
 from .backend import Backend
 from .batch import ForwardLimits, SeqWork, build_forward_batch, check_work, token_moves
-from .block_manager import BlockManager
+from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .model import CausalLM, LoRABatch
 from .model_config import ModelSpec
@@ -18,7 +18,7 @@ from .model_config import ModelSpec
 logger = logging.getLogger(__name__)
 
 
-def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device) -> int:
+def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device, max_positions: int) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = 2 * spec.num_layers * config.block_size * spec.kv_size * torch.finfo(config.torch_dtype).bits // 8
@@ -28,7 +28,11 @@ def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device) -> i
         free, _ = torch.cuda.mem_get_info(device)
         budget = 0.85 * free
     else:
-        budget = 0.5 * 2**30
+        # The CPU default, a fixed 0.5 GiB, is no larger than what max_num_seqs sequences of the longest
+        # length can hold at once: only running sequences allocate blocks. A small model would otherwise
+        # zero-fill (and keep) hundreds of MiB it never uses, seconds of every replica's start-up.
+        usable = config.max_num_seqs * blocks_for(max_positions, config.block_size)
+        return max(1, min(int(0.5 * 2**30 // per_block), usable))
     return max(1, int(budget // per_block))
 
 
@@ -45,7 +49,7 @@ class ModelRunner:
         self.model.eval()
         self.max_positions = max_model_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
         self.model.build_rope_table(self.max_positions)
-        self.num_blocks = _kv_blocks(config, spec, device)
+        self.num_blocks = _kv_blocks(config, spec, device, self.max_positions)
         # With CUDA graphs one extra block, never handed out, takes the KV of padding tokens.
         shape = (self.num_blocks + int(config.cuda_graphs), config.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv_caches = [

@@ -44,6 +44,29 @@ print(json.dumps(out), flush=True)
 """
 
 
+REPLACEMENT_BOUND_S = 120  # a replacement that has not served by then counts as lost
+
+
+def replacement_startup(old_names: set[str]):
+    """describe()["startup"] of the LLM replica that is not one of `old_names`, or None while there is none."""
+    import ray
+
+    names = [n["name"] if isinstance(n, dict) else n for n in ray.util.list_named_actors(all_namespaces=True)]
+    new = [n for n in names if n.startswith(f"SERVE_REPLICA::{APP_NAME}#LLMServer#") and n not in old_names]
+    if not new:
+        return None
+    def startup(replica_actor):  # nested: cloudpickle ships it by value
+        # Serve's private path from its replica actor to our LLMDeployment (tests only; describe() is public
+        # through a handle, which would route the call to any replica)
+        deployment = replica_actor._replica_impl._user_callable_wrapper.user_callable
+        return getattr(deployment, "startup", None)
+
+    try:
+        return ray.get(ray.get_actor(new[0], namespace="serve").__ray_call__.remote(startup), timeout=5)
+    except Exception:  # noqa: BLE001 - an actor still starting
+        return None
+
+
 def client(app):
     return openai.OpenAI(base_url=app.base_url + "/v1", api_key=ACME, max_retries=0, timeout=120)
 
@@ -137,6 +160,7 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     stop_at = time.monotonic() + 20
     outcomes = []  # (outcome, tokens received before the end)
     lock = threading.Lock()
+    replaced = {"done": False}  # the watcher's findings, below
 
     def one(messages=CHAT, model=None):
         got = 0
@@ -154,8 +178,9 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
         with lock:
             outcomes.append((kind, got))
 
-    def worker():
-        while time.monotonic() < stop_at:
+    def worker():  # the load runs its 20 s, and on until the replacement has served a request (or gave up)
+        give_up_at = stop_at + REPLACEMENT_BOUND_S
+        while time.monotonic() < stop_at or (not replaced["done"] and time.monotonic() < give_up_at):
             one()
 
     with cf.ThreadPoolExecutor(42) as pool:  # 10 workers in a loop, then bursts of 16
@@ -167,20 +192,29 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
         # and requests for adapters no replica holds yet: they wait for the load before their first token
         futures += [pool.submit(one, CHAT, name) for name in AFFINITY_ADAPTERS[-8:]]
         time.sleep(0.02)
-        killed_at = time.monotonic()
-        replaced = {}
+        killed_at, killed_wall = time.monotonic(), time.time()
 
-        def watch():  # Serve notices the death (fewer than 2 running), then runs a replacement (2 again)
+        def watch():  # Serve notices the death (fewer than 2 running), runs a replacement (2 again), which serves
             from ray import serve
 
-            while time.monotonic() < killed_at + 120:
-                running = serve.status().applications[APP_NAME].deployments["LLMServer"].replica_states.get("RUNNING", 0)
-                if running < 2 and "noticed_s" not in replaced:
-                    replaced["noticed_s"] = round(time.monotonic() - killed_at, 1)
-                if running >= 2 and "noticed_s" in replaced:
-                    replaced["running_s"] = round(time.monotonic() - killed_at, 1)
-                    return
-                time.sleep(0.25)
+            try:
+                while time.monotonic() < killed_at + REPLACEMENT_BOUND_S:
+                    states = serve.status().applications[APP_NAME].deployments["LLMServer"].replica_states
+                    running = states.get("RUNNING", 0)
+                    if running < 2 and "noticed_s" not in replaced:
+                        replaced["noticed_s"] = round(time.monotonic() - killed_at, 1)
+                    if running >= 2 and "noticed_s" in replaced and "running_s" not in replaced:
+                        replaced["running_s"] = round(time.monotonic() - killed_at, 1)
+                    if "running_s" in replaced:
+                        startup = replacement_startup(set(victims))
+                        if startup is not None and "first_chunk_sent" in startup:
+                            # the replacement's own marks, as seconds after the kill (one clock: this machine's)
+                            replaced["startup"] = {k: round(v - killed_wall, 2) if k != "engine" else
+                                                   {n: round(x, 2) for n, x in v.items()} for k, v in startup.items()}
+                            return
+                    time.sleep(0.25)
+            finally:
+                replaced["done"] = True
 
         watcher = threading.Thread(target=watch)
         ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
@@ -193,9 +227,13 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     for kind, _ in outcomes:
         counts[kind] = counts.get(kind, 0) + 1
     watcher.join()
+    replaced.pop("done")
     report = {"requests": len(outcomes), "outcomes": counts, "replacement_after_s": replaced}
     text = httpx.get(serve_app.base_url + "/metrics").text
     report["retries_metric"] = [line for line in text.splitlines() if line.startswith("loraserve_replica_failures_total")]
     print("REPLICA_KILL_REPORT", json.dumps(report))
     assert counts.get("ok", 0) > 0
     assert not any(k.startswith(("failed_before_first_token", "dropped")) for k in counts), report
+    # The replacement's speed is a measurement (RESULTS section 8); asserted only that it came up and served
+    # within a bound generous enough for a loaded 2-core CI machine.
+    assert "startup" in replaced, report

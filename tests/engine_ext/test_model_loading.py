@@ -136,3 +136,17 @@ def test_text_prompts_through_the_tokenizer(llama, tmp_path):
 def test_engine_options_are_validated(llama, bad, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(model=llama, **bad)
+
+
+def test_cpu_kv_default_holds_what_max_num_seqs_can_use_and_no_more(llama):
+    from engine_ext.block_manager import blocks_for
+
+    engine = LLMEngine(EngineConfig(model=llama, max_num_seqs=3, max_model_len=40))
+    per_seq = blocks_for(engine.runner.max_positions, engine.config.block_size)
+    assert engine.runner.num_blocks == 3 * per_seq  # far below the 0.5 GiB budget for this model
+    outs = engine.generate(prompt_token_ids=[[1, 2, 3]] * 5, sampling_params=SamplingParams(max_tokens=36,
+                                                                                              ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [36] * 5  # full-length sequences, 3 at a time: none short of room
+    # an explicit budget is taken as given
+    assert LLMEngine(EngineConfig(model=llama, max_num_seqs=3, max_model_len=40,
+                                  kv_cache_memory_gb=0.01)).runner.num_blocks > 3 * per_seq

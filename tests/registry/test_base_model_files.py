@@ -24,6 +24,19 @@ def test_uploaded_base_model_materializes_byte_for_byte(make_registry, backend, 
     assert reg.audit("stored")[-1].action == "register_base_model"
 
 
+def test_a_verified_base_model_copy_is_not_fetched_or_hashed_again(make_registry, tiny_base, monkeypatch):
+    # what every replica (a replacement too) does at start-up on a node that already holds the model
+    import registry.materialize as materialize
+
+    reg = make_registry("sqlite+local", register_base=False)
+    reg.register_base_model("stored", tiny_base, upload=True)
+    local = reg.materialize_base("stored")
+    calls = []
+    monkeypatch.setattr(reg.blobs, "get", lambda *a, **kw: calls.append("get"))
+    monkeypatch.setattr(materialize, "sha256_file", lambda *a, **kw: calls.append("hash"))
+    assert reg.materialize_base("stored") == local and calls == []
+
+
 def test_garbage_collection_spares_base_model_blobs(make_registry, backend, tiny_base):
     reg = make_registry(backend, register_base=False, blob_gc_grace_s=0)
     spec = reg.register_base_model("stored", tiny_base, upload=True)
