@@ -153,13 +153,17 @@ def test_adapter_riders_decode_in_the_drafting_passes(setup, backend, schedule):
     assert (spec["greedy_cycles"] == spec["cycles"]) == (schedule == "one-sync")
 
 
-def _late_arrival_run(engine, during_the_step: bool):
-    """Three requests decode; a fourth arrives before the second step, or while it runs (through `intake`, the
-    first time the step asks, as a serving loop adds it) -> (that step's outputs, every request's final tokens)."""
+def _late_arrival_run(engine, during_the_step: bool, sampled: bool = False):
+    """Three requests decode (with `sampled`, a fourth one sampled, which sends cycles down the pass-by-pass
+    path); then one more arrives before the next step, or while it runs (through `intake`, the first time the
+    step asks, as a serving loop adds it) -> (that step's outputs, every request's final tokens)."""
     for i in range(3):
         engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
+    if sampled:
+        engine.add_request("sampled", prompt_token_ids=PROMPTS[3], adapter_name=NAMES[0], sampling_params=SamplingParams(
+            max_tokens=PARAMS.max_tokens, temperature=1.0, seed=3, ignore_eos=True))
     started: set[str] = set()
-    while len(started) < 3:  # their prompts (on a GPU adapter copies land between steps, one at a time)
+    while len(started) < 3 + sampled:  # their prompts (on a GPU adapter copies land between steps, one at a time)
         started |= {o.request_id for o in engine.step() if o.token_ids}
 
     def late() -> None:  # on an adapter already in a slot (a cold one waits for its copy, whenever it arrives)
@@ -177,14 +181,17 @@ def _late_arrival_run(engine, during_the_step: bool):
     return outs, final
 
 
+@pytest.mark.parametrize("schedule", ["one-sync", "pass-by-pass"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_a_request_arriving_during_a_cycle_joins_its_verify_pass(setup, backend, k):
+def test_a_request_arriving_during_a_cycle_joins_its_verify_pass(setup, backend, k, schedule):
     """Drafting stops at the arrival and the new prompt runs in the verify pass: its first token comes with that
-    step, not after another cycle, and every output is still plain decoding's."""
+    step, not after another cycle, and every output is still plain decoding's (the sampled request's too: its
+    own generator, seeded)."""
     model, adapters, _ = setup
-    _, reference = _late_arrival_run(make_engine(model, adapters, None, **backend), during_the_step=False)
+    sampled = schedule == "pass-by-pass"
+    _, reference = _late_arrival_run(make_engine(model, adapters, None, **backend), False, sampled)
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=k, gate=False), **backend)
-    outs, final = _late_arrival_run(engine, during_the_step=True)
+    outs, final = _late_arrival_run(engine, True, sampled)
     late = [o for o in outs if o.request_id == "late"]
     assert len(late) == 1 and len(late[0].token_ids) == 1  # its first token came with the step it arrived in
     spec = engine.stats()["speculative"]
@@ -192,6 +199,9 @@ def test_a_request_arriving_during_a_cycle_joins_its_verify_pass(setup, backend,
     # asked after the first drafting pass: a k-pass cycle stops there (one pass run); a 1-pass one has none
     # left to skip, and the prompt joins its verify pass all the same
     assert spec["cut_cycles"] == (k > 1)
+    assert (spec["greedy_cycles"] == spec["cycles"]) == (schedule == "one-sync")
+    if sampled:  # a sampled draft is accepted by chance: only the greedy requests are held to plain's tokens
+        assert len(final.pop("sampled")) == len(reference.pop("sampled"))
     assert final == reference
     assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
 
