@@ -104,11 +104,11 @@ class DraftCycle:
 
         live = [s for s in plan.seqs if not s.finished]
         work = [self._work(s, drafts.get(id(s), []), len(drafts.get(id(s), [])) + 1) for s in live]
+        kind = _verify_kind(live)
         start = time.perf_counter()
         logits = self.runner.run(work, self.slots)
         self._settle(live, work, logits, drafts, qs, logits.argmax(dim=-1).tolist(), result)
-        result.passes.append(("lora", sum(len(w.token_ids) for w in work), _distinct(live),
-                              time.perf_counter() - start))
+        result.passes.append((kind, sum(len(w.token_ids) for w in work), _distinct(live), time.perf_counter() - start))
         return result
 
     def _propose(self, seqs: list[Sequence], logits: torch.Tensor, drafts: dict, qs: dict) -> None:
@@ -195,6 +195,7 @@ class DraftCycle:
             m = count.get(id(s), 0)  # a drafter: [last, d1..dm]; prompts and undrafted adapters: their plain step
             verify.append(self._work(s, [0] * m, m + 1))
             src += [-1] * (len(verify[-1].token_ids) - m) + [at(s, j) for j in range(m)]
+        kind = _verify_kind(live)
         logits = self.runner.run(verify, slots, tokens=tokens, token_src=src, owned=False)
         targets = torch.argmax(logits, dim=-1)
         self.clock.mark()
@@ -210,7 +211,7 @@ class DraftCycle:
         drafts = {id(s): [host[at(s, j)] for j in range(count[id(s)])] for s in drafters}
         result = StepResult(passes=[("base", n, d, span) for n, d, span in zip(sizes[:passes], adapters_in, spans)])
         self._settle(live, verify, logits, drafts, {}, host[offsets[passes] :], result)
-        result.passes.append(("lora", sum(len(w.token_ids) for w in verify), _distinct(live), spans[-1]))
+        result.passes.append((kind, sum(len(w.token_ids) for w in verify), _distinct(live), spans[-1]))
         return result
 
     # ------------------------------------------------------------ verify
@@ -268,3 +269,10 @@ class DraftCycle:
 
 def _distinct(seqs: list[Sequence]) -> int:
     return len({s.adapter for s in seqs if s.adapter is not None})
+
+
+def _verify_kind(live: list[Sequence]) -> str:
+    """How the verify pass is reported: "lora", or "prompted" when prompts ran in it too, which the gate does not
+    price draft lengths by: a prompt token costs more than a verify token, and the step pays for its prompts
+    whatever it drafts (as a plain step with prompts in it prices no plain decoding)."""
+    return "prompted" if any(s.is_prefill for s in live) else "lora"

@@ -188,7 +188,8 @@ class Gate:
         if not plan.timed and not self.capturing():
             return  # this step captured the CUDA graphs: seconds of it are no pass's
         for pass_time in result.passes:
-            self.times.record(*pass_time)
+            if pass_time[0] != "prompted":  # prompts ran in it: what it took prices no draft length
+                self.times.record(*pass_time)
         if plan.speculate:
             spent = sum(p[3] for p in result.passes)
             self.times.record("overhead", len(plan.seqs), 0, max(0.0, seconds - spent))

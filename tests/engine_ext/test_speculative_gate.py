@@ -275,6 +275,30 @@ def test_greedy_cycles_feed_the_per_pass_cost_model(model):
     assert overhead is not None and overhead >= 0
 
 
+def test_a_verify_pass_that_ran_prompts_prices_no_draft_length(model):
+    """A request arriving during a cycle has its prompt run in the verify pass; that pass's time is the prompt's
+    as much as the drafts', so the gate does not price draft lengths by it (a plain step with prompts in it
+    prices no plain decoding either). Its drafting pass, and the next cycle's verify pass, are recorded."""
+    path, adapters = model
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=SpecConfig(num_draft_tokens=3,
+                                                                                            gate=False)))
+    engine.add_adapter("close", adapters["close"])
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt_token_ids=[i + 1, i + 2, i + 3], sampling_params=params, adapter_name="close")
+    engine.step()  # their prompts: a plain step
+    engine.intake = lambda: "late" not in engine.seqs and engine.add_request(
+        "late", prompt_token_ids=list(range(1, 41)), sampling_params=params, adapter_name="close")
+    engine.step()  # a cycle: the 40-token prompt arrives after its first drafting pass and joins the verify pass
+    engine.intake = None
+    assert engine.stats()["speculative"]["joined"] == 1
+    times = engine.gate.times
+    assert times.get("base", 4, 0, exact=True) > 0
+    assert not [key for key in times._t if key[0] == "lora"]
+    engine.step()  # decoding only: 5 x (last + 3 drafts)
+    assert times.get("lora", 20, 1, exact=True) > 0
+
+
 @pytest.mark.parametrize("gate_on", [True, False], ids=["gated", "forced"])
 def test_plain_steps_and_cycle_overhead_are_priced_by_the_whole_engine_step(model, gate_on, monkeypatch):
     """Output processing is paid per plain step but once per cycle: both are timed over the whole engine step
