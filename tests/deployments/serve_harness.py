@@ -8,6 +8,7 @@ shuts Serve and Ray down.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import tempfile
@@ -145,3 +146,42 @@ def _stop(app: Optional[ServeApp]) -> None:
         if app is not None:
             app.registry.close()
             shutil.rmtree(app.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def deployed(cfg, app: str, route_prefix: str):
+    """A test module's own app from `cfg`, deployed as `app` under `route_prefix` on the session's Ray cluster
+    when one runs, else on a cluster of its own (shut down after) -> the app's base URL."""
+    import ray
+    from ray import serve
+
+    from deployments.application import bind_app
+
+    owns = not ray.is_initialized()
+    if owns:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{port}"
+    else:
+        base = _state["app"].base_url
+    serve.run(bind_app(cfg), name=app, route_prefix=route_prefix)
+    try:
+        yield f"{base}{route_prefix}"
+    finally:
+        serve.delete(app)
+        if owns:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def llm_replicas(app: str) -> dict[str, Any]:
+    """replica id -> actor handle of every live LLM replica of the Serve app `app`."""
+    import ray
+
+    out = {}
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        name = info["name"] if isinstance(info, dict) else info
+        if name.startswith(f"SERVE_REPLICA::{app}#LLMServer#"):
+            out[name.rsplit("#", 1)[-1]] = ray.get_actor(name, namespace="serve")
+    return out

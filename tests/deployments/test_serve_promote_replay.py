@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deployments import serve_harness
+
 pytestmark = pytest.mark.slow
 
 KEY = "sk-replay-e2e-0001"
@@ -29,13 +31,8 @@ PAUSE_S = 4.0
 
 @pytest.fixture(scope="module")
 def app(redis_server):
-    import ray
-    from ray import serve
-
-    from deployments.application import bind_app
     from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
     from deployments.config import load_config
-    from tests.deployments import serve_harness
 
     root = Path(tempfile.mkdtemp(prefix="loraserve-replay-"))
     (root / "in").mkdir()
@@ -56,37 +53,17 @@ def app(redis_server):
         d = root / "in" / f"promo-v{version}"
         shutil.copytree(demo[src], d)
         reg.register("promo", str(d), sha256_of_dir(d), cfg.base_model_name, actor="test", activate=version == 1)
-    shared = serve_harness._state.get("app")  # noqa: SLF001 - reuse the session's cluster if it runs
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        port = serve_harness._free_port()  # noqa: SLF001
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        base = f"http://127.0.0.1:{port}"
-    else:
-        base = shared.base_url
-    serve.run(bind_app(cfg), name=APP, route_prefix="/rp")
     try:
-        yield f"{base}/rp", reg, names[1]
+        with serve_harness.deployed(cfg, APP, "/rp") as url:
+            yield url, reg, names[1]
     finally:
-        serve.delete(APP)
-        if owns:
-            serve.shutdown()
-            ray.shutdown()
         reg.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
 def llm_replicas():
     """replica id -> actor handle of every live LLM replica of this app."""
-    import ray
-
-    out = {}
-    for info in ray.util.list_named_actors(all_namespaces=True):
-        name = info["name"] if isinstance(info, dict) else info
-        if name.startswith(f"SERVE_REPLICA::{APP}#LLMServer#"):
-            out[name.rsplit("#", 1)[-1]] = ray.get_actor(name, namespace="serve")
-    return out
+    return serve_harness.llm_replicas(APP)
 
 
 def held(actor) -> list[str]:

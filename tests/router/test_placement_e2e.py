@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deployments import serve_harness
+
 pytestmark = pytest.mark.slow
 
 KEY = "sk-placement-e2e-01"
@@ -26,13 +28,8 @@ RISING = "pl-39"
 
 @pytest.fixture(scope="module")
 def app():
-    import ray
-    from ray import serve
-
-    from deployments.application import bind_app
     from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
     from deployments.config import load_config
-    from tests.deployments import serve_harness
 
     root = Path(tempfile.mkdtemp(prefix="loraserve-placement-"))
     (root / "in").mkdir()
@@ -54,37 +51,17 @@ def app():
         d = root / "in" / name
         shutil.copytree(demo[names[i % len(names)]], d)
         reg.register(name, str(d), sha256_of_dir(d), cfg.base_model_name, actor="test", activate=True)
-    shared = serve_harness._state.get("app")  # noqa: SLF001 - reuse the session's cluster if it runs
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        port = serve_harness._free_port()  # noqa: SLF001
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        base = f"http://127.0.0.1:{port}"
-    else:
-        base = shared.base_url
-    serve.run(bind_app(cfg), name=APP, route_prefix="/pl")
     try:
-        yield f"{base}/pl", reg
+        with serve_harness.deployed(cfg, APP, "/pl") as url:
+            yield url, reg
     finally:
-        serve.delete(APP)
-        if owns:
-            serve.shutdown()
-            ray.shutdown()
         reg.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
 def llm_replicas():
-    """replica id -> actor handle of every live LLMServer replica of this app."""
-    import ray
-
-    out = {}
-    for info in ray.util.list_named_actors(all_namespaces=True):
-        name = info["name"] if isinstance(info, dict) else info
-        if name.startswith(f"SERVE_REPLICA::{APP}#LLMServer#"):
-            out[name.rsplit("#", 1)[-1]] = ray.get_actor(name, namespace="serve")
-    return out
+    """replica id -> actor handle of every live LLM replica of this app."""
+    return serve_harness.llm_replicas(APP)
 
 
 def describe_all():
