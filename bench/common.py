@@ -120,6 +120,26 @@ def measure_decode(engine, prompts: list[list[int]], adapters: list[str | None],
             "gc_full_passes": sum(gen == 2 for gen, _ in collections)}
 
 
+def spec_delta(before: dict, after: dict) -> dict:
+    """Acceptance, drafted tokens, cycles (by drafting passes), plain steps, joins and gate decisions between two
+    engine.stats() snapshots of a speculating engine ({} when speculation is off)."""
+    if "speculative" not in after:
+        return {}
+    drafted = accepted = 0
+    for name, a in after["adapters"].items():
+        b = before.get("adapters", {}).get(name, {})
+        drafted += (a.get("drafted_tokens") or 0) - (b.get("drafted_tokens") or 0)
+        accepted += (a.get("accepted_tokens") or 0) - (b.get("accepted_tokens") or 0)
+    sb, sa = before.get("speculative") or {}, after["speculative"]
+    decisions = {k: v - (sb.get("gate_decisions") or {}).get(k, 0) for k, v in sa["gate_decisions"].items()}
+    passes = {k: v - (sb.get("cycle_passes") or {}).get(k, 0) for k, v in sa["cycle_passes"].items()}
+    return {"acceptance": accepted / drafted if drafted else None, "drafted_tokens": drafted,
+            "cycles": sa["cycles"] - sb.get("cycles", 0), "plain_steps": sa["plain_steps"] - sb.get("plain_steps", 0),
+            "cycle_passes": {str(k): v for k, v in sorted(passes.items()) if v},
+            "joined": sa["joined"] - sb.get("joined", 0), "cut_cycles": sa["cut_cycles"] - sb.get("cut_cycles", 0),
+            "gate_decisions": {k: v for k, v in decisions.items() if v}}
+
+
 def percentile(values, q: float) -> float | None:
     """The nearest-rank q-quantile of `values` (None when empty)."""
     if not values:

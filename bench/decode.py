@@ -27,14 +27,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import Counter
 from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (  # noqa: E402
-    SHAPES, build_random_adapter, build_random_model, machine, measure_decode, percentile, replay_ms)
+    SHAPES, build_random_adapter, build_random_model, machine, measure_decode, percentile, replay_ms, spec_delta)
 from engine_ext import EngineConfig, KernelSettings, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
 from engine_ext.batch import SeqWork  # noqa: E402
 
@@ -251,17 +250,7 @@ def engine_mode(engine, spec: SpecConfig | None, batch: int, names: list[str | N
     before = engine.stats()
     out = measure_decode(engine, prompts, names, gen, SamplingParams)
     if spec is not None:
-        after = engine.stats()
-        drafted = accepted = 0
-        for n, a in after["adapters"].items():
-            b = before["adapters"].get(n, {})
-            drafted += a["drafted_tokens"] - b.get("drafted_tokens", 0)
-            accepted += a["accepted_tokens"] - b.get("accepted_tokens", 0)
-        out["acceptance"] = accepted / drafted if drafted else None
-        spec_before, spec_after = before["speculative"], after["speculative"]
-        out["gate_decisions"] = dict(Counter(spec_after["gate_decisions"]) - Counter(spec_before["gate_decisions"]))
-        passes = Counter(spec_after["cycle_passes"]) - Counter(spec_before["cycle_passes"])
-        out["cycle_passes"] = {str(m): n for m, n in sorted(passes.items())}
+        out |= spec_delta(before, engine.stats())
     out["itl_ms_p50"] = out["step_ms_p50"]
     out["itl_ms_p99"] = out["step_ms_p99"]
     engine.set_speculation(None)

@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import percentile  # noqa: E402
+from bench.common import percentile, spec_delta  # noqa: E402
 from bench.traffic import Request, TrafficConfig, generate  # noqa: E402
 
 
@@ -236,25 +236,6 @@ def outputs_digest(records: list[Record]) -> str:
     for r in records:
         h.update(f"{r.request.request_id}:{r.finish_reason}:{','.join(map(str, r.token_ids))};".encode())
     return h.hexdigest()[:16]
-
-
-def spec_delta(before: dict, after: dict) -> dict:
-    """Acceptance, cycles, plain steps and gate decisions between two engine.stats() snapshots."""
-    if "speculative" not in after:
-        return {}
-    drafted = accepted = 0
-    for name, a in after["adapters"].items():
-        b = before.get("adapters", {}).get(name, {})
-        drafted += (a.get("drafted_tokens") or 0) - (b.get("drafted_tokens") or 0)
-        accepted += (a.get("accepted_tokens") or 0) - (b.get("accepted_tokens") or 0)
-    sb, sa = before.get("speculative") or {}, after["speculative"]
-    decisions = {k: v - (sb.get("gate_decisions") or {}).get(k, 0) for k, v in sa["gate_decisions"].items()}
-    passes = {k: v - (sb.get("cycle_passes") or {}).get(k, 0) for k, v in sa["cycle_passes"].items()}
-    return {"acceptance": round(accepted / drafted, 4) if drafted else None, "drafted_tokens": drafted,
-            "cycles": sa["cycles"] - sb.get("cycles", 0), "plain_steps": sa["plain_steps"] - sb.get("plain_steps", 0),
-            "cycle_passes": {str(k): v for k, v in sorted(passes.items()) if v},
-            "joined": sa["joined"] - sb.get("joined", 0), "cut_cycles": sa["cut_cycles"] - sb.get("cut_cycles", 0),
-            "gate_decisions": {k: v for k, v in decisions.items() if v}}
 
 
 def compare(runs: list[dict]) -> list[dict]:
