@@ -131,7 +131,19 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
         clock.passed()
         intake()
 
+    def record(outs, now: float) -> None:
+        for out in outs:
+            rec = records[out.request_id]
+            if out.new_token_ids:
+                rec.token_times.append(now)
+                rec.token_counts.append(len(out.new_token_ids))
+                rec.token_ids += out.new_token_ids
+            if out.finished:
+                rec.finish_reason = out.finish_reason
+                live.discard(out.request_id)
+
     engine.intake = intake_between_passes
+    engine.publish = lambda outs: record(outs, clock.now())  # first tokens handed out during a cycle
     steps = 0
     try:
         while pending or live:
@@ -145,21 +157,12 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
             outs = engine.step()
             sync()
             clock.stepped()
-            now = clock.now()
-            for out in outs:
-                rec = records[out.request_id]
-                if out.new_token_ids:
-                    rec.token_times.append(now)
-                    rec.token_counts.append(len(out.new_token_ids))
-                    rec.token_ids += out.new_token_ids
-                if out.finished:
-                    rec.finish_reason = out.finish_reason
-                    live.discard(out.request_id)
+            record(outs, clock.now())
             steps += 1
             if max_steps is not None and steps >= max_steps:
                 break
     finally:
-        engine.intake = None
+        engine.intake = engine.publish = None
     return [records[r.request_id] for r in requests]
 
 

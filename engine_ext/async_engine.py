@@ -26,6 +26,7 @@ class AsyncLLMEngine:
         # (LLMEngine.intake); aborts and the rest wait for the step to end.
         self._arrivals: queue.SimpleQueue = queue.SimpleQueue()
         self.engine.intake = self._take_arrivals
+        self.engine.publish = self._publish  # first tokens computed in a cycle's drafting pass, before it ends
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -57,6 +58,10 @@ class AsyncLLMEngine:
                 continue
             for out in outs:
                 self._deliver(out.request_id, out)
+
+    def _publish(self, outs) -> None:
+        for out in outs:
+            self._deliver(out.request_id, out)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)

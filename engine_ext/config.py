@@ -64,8 +64,11 @@ class EngineConfig:
     kernels: KernelSettings = field(default_factory=KernelSettings)
     # CUDA graphs for decode-shaped forwards of up to `max_graph_tokens` tokens (cuda_graphs.py);
     # needs a CUDA device and attn_backend "triton". Keep max_model_len modest: block tables are static.
+    # None: 512, or with speculation enough for the verify pass of a full batch (max_num_seqs x (k + 1)), since
+    # a forward past the largest graph runs eager: at the 1B shape on the H200 a 640-token verify pass took
+    # 25.5 ms eager against 7.2 ms replayed (bench/RESULTS.md section 1).
     cuda_graphs: bool = False
-    max_graph_tokens: int = 512
+    max_graph_tokens: int | None = None
     speculative: SpecConfig | None = None
     # Start-up: compile every kernel variant and capture every CUDA graph the engine can use before it
     # takes requests (ModelRunner.warm_up), so no request waits for a compile. Only the GPU kernels
@@ -104,10 +107,13 @@ class EngineConfig:
         # The torch attention reference reads meta.max_query_len on the host, which a captured graph would freeze
         if self.cuda_graphs and (not self.device.startswith("cuda") or self.attn_backend != "triton"):
             raise ValueError("cuda_graphs needs a CUDA device and attn_backend='triton'")
-        if self.max_graph_tokens < 1:
-            raise ValueError("max_graph_tokens must be >= 1")
         if isinstance(self.speculative, dict):
             self.speculative = SpecConfig(**self.speculative)
+        if self.max_graph_tokens is None:
+            verify = self.max_num_seqs * (1 + self.speculative.num_draft_tokens) if self.speculative else 0
+            self.max_graph_tokens = max(512, min(verify, self.max_num_batched_tokens))
+        if self.max_graph_tokens < 1:
+            raise ValueError("max_graph_tokens must be >= 1")
 
     @property
     def uses_triton(self) -> bool:

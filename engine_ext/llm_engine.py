@@ -56,6 +56,9 @@ class LLMEngine:
         # speculative cycle calls it between its passes, and what it admits joins the cycle's verify pass instead
         # of waiting for the next step (DraftCycle.run's `join`).
         self.intake: Callable[[], None] | None = None
+        # Set by a serving loop: takes outputs published during a step, before step() returns them (a prompt's
+        # first token computed in a cycle's drafting pass). step() then returns only what came after.
+        self.publish: Callable[[list[RequestOutput]], None] | None = None
         self._removals_seen = 0
         self._ids = itertools.count()
         self.set_speculation(config.speculative)
@@ -169,13 +172,20 @@ class LLMEngine:
                 self._commit(seq, token, row)
         return StepResult()
 
-    def _commit(self, seq: Sequence, token: int, logits: torch.Tensor | None = None) -> bool:
-        """Append a final token to a sequence; True if it finished."""
+    def _commit(self, seq: Sequence, token: int, logits: torch.Tensor | None = None, finish: bool = True) -> bool:
+        """Append a final token to a sequence; True if it finished. finish=False: a sequence that ends is left
+        to the caller to hand back to the scheduler (DraftCycle, once no queued pass writes its blocks)."""
         self.counters.usage(seq.adapter).tokens += 1
         if self.outputs.append(seq, token, logits):
-            self.scheduler.finish(seq)
+            if finish:
+                self.scheduler.finish(seq)
             return True
         return False
+
+    def _publish_early(self, seqs: list[Sequence]) -> None:
+        """Hand the new tokens of running sequences to the serving loop mid-step (`publish`)."""
+        if self.publish is not None and seqs:
+            self.publish([self.outputs.output(s, False) for s in seqs])
 
     def set_speculation(self, spec: SpecConfig | None) -> None:
         """Switch speculative drafting on (a fresh gate: nothing measured yet) or off (None). Its draft length
@@ -187,7 +197,8 @@ class LLMEngine:
         self.gate = NoSpeculation() if spec is None else Gate(
             spec, max_model_len=self.max_model_len, capturing=self.runner.capturing, stats=self.counters)
         self.cycle = None if spec is None else DraftCycle(
-            self.runner, self.adapters.slots, self._commit, self.generator, self.max_model_len, self.counters.spec)
+            self.runner, self.adapters.slots, self._commit, self.generator, self.max_model_len, self.counters.spec,
+            max_rows=self.config.max_num_seqs, publish=self._publish_early, finish=self.scheduler.finish)
 
     def _fail_orphans(self) -> None:
         """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""

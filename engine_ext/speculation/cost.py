@@ -110,6 +110,7 @@ class PassClock:
         self.cuda = device.type == "cuda"
         self._events: list = []  # reused across cycles: read only after the sync that completes them
         self._marks: list = []
+        self._side = None  # the stream read_after copies on
 
     def mark(self) -> None:
         """At the start of the first pass, then after each pass is queued."""
@@ -126,6 +127,18 @@ class PassClock:
         """Block the host until the device has passed mark i (on a CPU every mark is already past)."""
         if self.cuda:
             self._marks[i].synchronize()
+
+    def read_after(self, i: int, values: torch.Tensor, idx: list[int]) -> list[int]:
+        """values[idx] on the host once the device has passed mark i, without waiting for what was queued after
+        that mark (on a GPU a side stream waits on it alone and copies)."""
+        if not self.cuda:
+            return values[idx].tolist()
+        if self._side is None:
+            self._side = torch.cuda.Stream(values.device)
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(self._marks[i])
+            picked = values[torch.tensor(idx, device=values.device)].cpu()
+        return picked.tolist()
 
     def spans(self) -> list[float]:
         """Seconds between consecutive marks (call after a sync that covers every pass), and reset."""

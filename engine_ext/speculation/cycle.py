@@ -8,22 +8,30 @@ rider needs no verification: each drafting pass is an exact decoding step for it
 sequences and the adapter sequences the gate lets ride (`Gate.rides`), whose rows in the drafting passes run
 with their adapter on (a pass with such rows is a mixed one: adapters off for the drafters, on for them).
 
+Prompts ride too. A prompt in the batch (a new request, or a preempted one computing its tokens again) runs in
+the first drafting pass with its adapter on, exactly the plain step it would otherwise wait a cycle for, and
+decodes as a rider in the passes after it. Its first token is published (`publish`) as soon as the device has
+run that pass, not when the cycle ends, so a new request's first token waits about one pass.
+
 Two schedules, because sampled drafts are drawn on the host between passes (each request's own generator)
-while greedy drafts are an argmax the next pass can read on the device: a cycle whose drafters and riders
-are all greedy queues every pass back to back with one host sync at the end (`_greedy`); otherwise each
+while greedy drafts are an argmax the next pass can read on the device: a cycle whose drafters, riders and
+prompts are all greedy queues every pass back to back with one host sync at the end (`_greedy`); otherwise each
 pass syncs (`_sampled`). Both settle through the same verify routine (`_settle`).
 
 Requests that arrive while a cycle drafts do not wait for it to end: given a `join` (a serving loop takes
-arrivals in), the cycle asks it before each drafting pass after the first and before the verify pass; when it
-admits any, drafting stops there and their prompts join the verify pass, so a first token waits about one pass
-rather than a cycle. The greedy schedule then keeps at most two passes queued ahead of the device (it waits for
-pass j - 2 before queuing pass j), so the check sees arrivals while the device is still busy."""
+arrivals in), the cycle asks it before each drafting pass after the first and before the verify pass, and the
+prompts it admits ride from the next pass on (or run in the verify pass, when they arrive after the last
+drafting pass). In the one-sync schedule a sampled arrival's first token cannot be drawn on the device, so
+drafting stops there and its prompt runs in the verify pass. The one-sync schedule keeps at most two passes
+queued ahead of the device (it waits for pass j - 2 before queuing pass j), so the check sees arrivals while
+the device is still busy, and a first token computed in pass j - 2 is read then."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,29 +44,57 @@ from .cost import PassClock
 from .gate import Plan, StepResult
 from .verify import accept_greedy, verify_drafts
 
-# commit(seq, token, logits row or None) -> True when the sequence finished on that token
-Commit = Callable[[Sequence, int, torch.Tensor | None], bool]
+# commit(seq, token, logits row or None, finish) -> True when the sequence finished on that token; with
+# finish=False a sequence that ends is not yet handed back to the scheduler (its blocks stay its own while
+# passes queued after the token still write into them): the cycle finishes it after its sync.
+Commit = Callable[..., bool]
+
+
+@dataclass
+class _Member:
+    """A sequence's part in the one-sync schedule's drafting passes: it runs passes start .. start + count - 1.
+    A prompt computes its prompt in pass `start` (adapter on) and then decodes like a rider; a drafter's rows
+    run with adapters off; a rider's with its own adapter. `base`: the position of its last token at entry."""
+
+    seq: Sequence
+    kind: str  # "draft", "ride" or "prompt"
+    start: int
+    count: int
+    base: int
+    left: int = 0  # tokens it may still generate (riders and prompts)
+    published: bool = False  # a prompt's first token went out before the cycle's end
+
+    def runs(self, j: int) -> bool:
+        return self.start <= j < self.start + self.count
 
 
 class DraftCycle:
     def __init__(self, runner, slots: AdapterSlots, commit: Commit, generator: torch.Generator,
-                 max_model_len: int, counters: SpecStats):
+                 max_model_len: int, counters: SpecStats, max_rows: int = 1024,
+                 publish: Callable[[list[Sequence]], None] | None = None,
+                 finish: Callable[[Sequence], None] | None = None):
+        """max_rows: the most sequences one pass can hold (the scheduler's max_num_seqs). publish: hands a
+        prompt's first token out before the cycle ends; finish: returns an ended sequence to the scheduler."""
         self.runner, self.slots, self.commit, self.generator = runner, slots, commit, generator
         self.max_model_len = max_model_len
         self.counters = counters
+        self.max_rows = max_rows
+        self.publish = publish or (lambda seqs: None)
+        self.finish = finish or (lambda seq: None)
         self.clock = PassClock(generator.device)
 
     def run(self, plan: Plan, join: Callable[[], list[Sequence]] | None = None) -> StepResult:
         """`join`: admits requests that arrived meanwhile into the batch (plan.seqs) and returns them."""
         drafters = [s for s in plan.seqs if plan.lengths.get(id(s), 0) > 0]
+        prompts = [s for s in plan.seqs if s.is_prefill]
         if join is not None:
             join = self._counting(join)
-        if drafters and all(s.params.greedy for s in drafters + plan.riders):
+        if drafters and all(s.params.greedy for s in drafters + plan.riders + prompts):
             self.counters.greedy_cycles += 1
-            result = self._greedy(plan, drafters, join)
+            result = self._greedy(plan, drafters, prompts, join)
         else:
-            result = self._sampled(plan, drafters, join)
-        self.counters.cycle_passes[sum(p[0] == "base" for p in result.passes)] += 1
+            result = self._sampled(plan, drafters, prompts, join)
+        self.counters.cycle_passes[len(result.passes) - 1] += 1
         return result
 
     def _counting(self, join: Callable[[], list[Sequence]]) -> Callable[[], list[Sequence]]:
@@ -72,33 +108,38 @@ class DraftCycle:
     def _work(self, s: Sequence, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
         return s.work(self.slots.lora_slot(s.adapter), extra, num_logits)
 
-    def _draft_work(self, s: Sequence, j: int, token: int, rider: bool = False) -> SeqWork:
-        """Drafting pass j's input for s: `token` (the last committed one at j = 0) at position num_tokens - 1 + j;
-        a drafter's row runs with adapters off, a rider's with its own adapter (none for a base-only one)."""
-        slot = self.slots.lora_slot(s.adapter) if rider else self.slots.zero_slot
-        return SeqWork([token], s.num_tokens - 1 + j, s.block_table, slot)
+    def _row_work(self, s: Sequence, position: int, token: int, adapter_on: bool) -> SeqWork:
+        """One decoding row: `token` at `position`; adapters off for a drafter, its own adapter for a rider (none
+        for a base-only one)."""
+        slot = self.slots.lora_slot(s.adapter) if adapter_on else self.slots.zero_slot
+        return SeqWork([token], position, s.block_table, slot)
 
     # ------------------------------------------------------------ pass by pass
-    def _sampled(self, plan: Plan, drafters: list[Sequence], join) -> StepResult:
+    def _sampled(self, plan: Plan, drafters: list[Sequence], prompts: list[Sequence], join) -> StepResult:
         result = StepResult()
         lengths = plan.lengths
         drafts: dict[int, list[int]] = {id(s): [] for s in drafters}
         qs: dict[int, list[torch.Tensor]] = {id(s): [] for s in drafters}
+        riders = list(plan.riders) + prompts
         for j in range(max(lengths.values(), default=0)):
-            if j and join is not None and join():
-                self.counters.cut_cycles += 1
-                break  # arrivals: their prompts join the verify pass now
+            if j and join is not None:
+                riders += join()  # arrivals ride from this pass on
             active = [s for s in drafters if lengths[id(s)] > j]
-            riders = [s for s in plan.riders if not s.finished]
-            work = [self._draft_work(s, j, s.token_ids[-1] if j == 0 else drafts[id(s)][-1]) for s in active]
+            riders = [s for s in riders if not s.finished]
+            starting = [s for s in riders if s.is_prefill]
+            work = [self._row_work(s, s.num_tokens - 1 + j, s.token_ids[-1] if j == 0 else drafts[id(s)][-1], False)
+                    for s in active]
             work += [self._work(s) for s in riders]
             riding = _distinct(riders)
             start = time.perf_counter()
             logits = self.runner.run(work, self.slots, use_lora=riding > 0)
             self._propose(active, logits[: len(active)], drafts, qs)
             self._ride(riders, logits[len(active):])
-            result.passes.append(("base", len(work), riding, time.perf_counter() - start))
+            kind = "prompted" if starting else "base"
+            result.passes.append((kind, sum(len(w.token_ids) for w in work), riding, time.perf_counter() - start))
             self.counters.draft_passes += 1
+            self.counters.ridden_prompts += len(starting)
+            self.publish([s for s in starting if not s.finished])
         if join is not None:
             join()
 
@@ -136,83 +177,139 @@ class DraftCycle:
 
     # ------------------------------------------------------------ one host sync
     @torch.inference_mode()
-    def _greedy(self, plan: Plan, drafters: list[Sequence], join) -> StepResult:
-        """Positions and KV slots of every pass are known up front; only token ids are not, so each pass's argmax
-        goes into `tokens` on the device and the next pass (and the verify pass) gather their input ids from
-        it. The host reads drafts and verify argmaxes once, at the end."""
-        lengths, riders, slots = plan.lengths, plan.riders, self.slots
+    def _greedy(self, plan: Plan, drafters: list[Sequence], prompts: list[Sequence], join) -> StepResult:
+        """Positions and KV slots of every pass are known when it is queued; only token ids are not, so each
+        pass's argmax goes into `tokens` (pass j's rows from j * max_rows) on the device and the next pass (and
+        the verify pass) gather their input ids from it. The host reads drafts and verify argmaxes once, at the
+        end, and a prompt's first token once the pass that computed it is done."""
+        lengths, slots, width = plan.lengths, self.slots, self.max_rows
         planned = max(lengths[id(s)] for s in drafters)
-        # Drafting passes per sequence: its draft length; for a rider, every pass unless a length limit comes
-        # first. Stops (EOS, stop strings) show only after the sync: a rider that stopped keeps computing to the
-        # end of the cycle, into positions its lookahead blocks hold, and those tokens are dropped.
-        left = {id(s): s.tokens_left(self.max_model_len) for s in riders}
-        count = {id(s): lengths[id(s)] for s in drafters} | {id(s): min(planned, left[id(s)]) for s in riders}
-        members = sorted(drafters + riders, key=lambda s: -count[id(s)])  # pass j runs members[:sizes[j]]
-        sizes = [sum(count[id(s)] > j for s in members) for j in range(planned)]
-        offsets = list(itertools.accumulate(sizes, initial=0))
-        row = {id(s): i for i, s in enumerate(members)}
-        riding = {id(s) for s in riders}
-        adapters_in = [len({s.adapter for s in members[:n] if id(s) in riding and s.adapter is not None})
-                       for n in sizes]  # distinct riding adapters each pass reads
+        members = [_Member(s, "draft", 0, lengths[id(s)], s.num_tokens - 1) for s in drafters]
+        # Riders and prompts: every pass unless a length limit comes first. Stops (EOS, stop strings) show only
+        # when the host reads the tokens: a rider that stopped keeps computing to the end of the cycle, into
+        # positions its lookahead blocks hold, and those tokens are dropped.
+        for kind, seqs in (("ride", plan.riders), ("prompt", prompts)):
+            for s in seqs:
+                left = s.tokens_left(self.max_model_len)
+                members.append(_Member(s, kind, 0, min(planned, left), s.num_tokens - 1, left))
+        late: list[Sequence] = []  # arrivals that run in the verify pass
+        ended: list[Sequence] = []  # prompts that ended on a first token read during the cycle
+        rows: list[dict[int, int]] = []  # per pass: id(seq) -> its row
 
         def at(s: Sequence, j: int) -> int:  # where pass j's argmax for s lands in `tokens`
-            return offsets[j] + row[id(s)]
+            return j * width + rows[j][id(s)]
 
-        tokens = torch.empty(offsets[-1], dtype=torch.long, device=self.generator.device)
-        want_rows = any(s.params.return_logits for s in riders)
-        kept = []  # per pass, its logits (only for riders returning logits): the graph's buffer is reused
+        tokens = torch.empty(planned * width, dtype=torch.long, device=self.generator.device)
+        kept = []  # per pass, its logits (kept only for riders returning logits): the graph's buffer is reused
+        info = []  # per pass: (kind, tokens, adapters it reads)
         passes = planned
         self.clock.mark()
         for j in range(planned):
             if j and join is not None:
                 self.clock.wait(j - 1)  # pass j - 2 done: pass j - 1 keeps the device busy meanwhile
-                if join():
-                    passes = j  # arrivals: drafting stops here, their prompts join the verify pass
+                if j >= 2:
+                    self._first_tokens(members, j - 2, tokens, at, kept, ended)
+                for s in join():
+                    if s.params.greedy:
+                        left = s.tokens_left(self.max_model_len)
+                        members.append(_Member(s, "prompt", j, min(planned - j, left), s.num_tokens - 1, left))
+                    else:
+                        late.append(s)
+                if late:  # a sampled arrival: drafting stops here, its prompt runs in the verify pass
+                    passes = j
                     self.counters.cut_cycles += 1
                     break
-            active = members[: sizes[j]]
-            work = [self._draft_work(s, j, s.token_ids[-1] if j == 0 else 0, id(s) in riding) for s in active]
-            logits = self.runner.run(work, slots, use_lora=adapters_in[j] > 0, tokens=tokens, owned=False,
-                                     token_src=[at(s, j - 1) for s in active] if j else None)
-            torch.argmax(logits, dim=-1, out=tokens[offsets[j] : offsets[j + 1]])
-            kept.append(logits.clone() if want_rows else None)
+            active = [m for m in members if m.runs(j)]
+            if len(active) > width:
+                raise RuntimeError(f"a drafting pass of {len(active)} rows exceeds max_rows {width}")
+            rows.append({id(m.seq): i for i, m in enumerate(active)})
+            work, src, adapters_on, prompted = [], [], set(), 0
+            for m in active:
+                s = m.seq
+                if m.kind == "prompt" and j == m.start:
+                    work.append(self._work(s))  # the prompt, adapter on: one logits row, its first token
+                    src += [-1] * len(work[-1].token_ids)
+                    prompted += 1
+                else:
+                    first = j == m.start  # a drafter's or rider's first pass reads its last committed token
+                    work.append(self._row_work(s, m.base + j - m.start, s.token_ids[-1] if first else 0,
+                                               m.kind != "draft"))
+                    src.append(-1 if first else at(s, j - 1))
+                if m.kind != "draft" and s.adapter is not None:
+                    adapters_on.add(s.adapter)
+            logits = self.runner.run(work, slots, use_lora=bool(adapters_on), tokens=tokens, owned=False,
+                                     token_src=src if j else None)
+            torch.argmax(logits, dim=-1, out=tokens[j * width : j * width + len(active)])
+            keep = any(m.kind != "draft" and m.seq.params.return_logits for m in active)
+            kept.append(logits.clone() if keep else None)
             self.clock.mark()
             self.counters.draft_passes += 1
+            self.counters.ridden_prompts += prompted
+            info.append(("prompted" if prompted else "base", sum(len(w.token_ids) for w in work), len(adapters_on)))
         else:
             if join is not None:
                 self.clock.wait(max(0, planned - 1))
-                join()
-        if passes < planned:  # cut short: each sequence keeps what the passes run so far drafted for it
-            count = {key: min(c, passes) for key, c in count.items()}
-        done = {id(s) for s in riders if count[id(s)] == left[id(s)]}  # finished by length in the passes
-        live = [s for s in plan.seqs if id(s) not in done]  # the verify pass: m + 1 logits for a drafter, else 1
+                if planned >= 2:
+                    self._first_tokens(members, planned - 2, tokens, at, kept, ended)
+                late += join()  # their prompts run in the verify pass
+        for m in members:  # cut short: each keeps what the passes run so far computed for it
+            m.count = max(0, min(m.count, passes - m.start))
+        ending = {id(s) for s in ended}
+        done = {id(m.seq) for m in members if m.kind != "draft" and (m.count == m.left or id(m.seq) in ending)}
+        live = [s for s in plan.seqs if id(s) not in done]  # plan.seqs holds the arrivals too (Scheduler.admit)
+        at_verify = {id(m.seq): m for m in members if m.count}
         verify, src = [], []
         for s in live:
-            if id(s) in riding:  # one more plain step, after the token of its last pass
-                verify.append(self._draft_work(s, passes, 0, rider=True))
-                src.append(at(s, passes - 1))
+            m = at_verify.get(id(s))
+            if m is not None and m.kind != "draft":  # one more plain step, after the token of its last pass
+                verify.append(self._row_work(s, m.base + m.count, 0, True))
+                src.append(at(s, m.start + m.count - 1))
                 continue
-            m = count.get(id(s), 0)  # a drafter: [last, d1..dm]; prompts and undrafted adapters: their plain step
-            verify.append(self._work(s, [0] * m, m + 1))
-            src += [-1] * (len(verify[-1].token_ids) - m) + [at(s, j) for j in range(m)]
+            d = m.count if m is not None else 0  # a drafter: [last, d1..dm]; prompts and the rest: their plain step
+            verify.append(self._work(s, [0] * d, d + 1))
+            src += [-1] * (len(verify[-1].token_ids) - d) + [at(s, j) for j in range(d)]
         kind = _verify_kind(live)
         logits = self.runner.run(verify, slots, tokens=tokens, token_src=src, owned=False)
         targets = torch.argmax(logits, dim=-1)
         self.clock.mark()
-        host = torch.cat([tokens[: offsets[passes]], targets]).tolist()  # the cycle's one host sync
+        host = torch.cat([tokens[: passes * width], targets]).tolist()  # the cycle's one host sync
         spans = self.clock.spans()
 
-        for s in riders:  # a token from each of its passes
-            for j in range(count[id(s)]):
-                if s.finished:
+        for m in members:  # riders and prompts: a token from each of their passes
+            if m.kind == "draft":
+                continue
+            s = m.seq
+            for j in range(m.start + m.published, m.start + m.count):
+                if s.finished or id(s) in ending:
                     break
                 s.num_computed = s.num_tokens
-                self.commit(s, host[at(s, j)], kept[j][row[id(s)]] if s.params.return_logits else None)
-        drafts = {id(s): [host[at(s, j)] for j in range(count[id(s)])] for s in drafters}
-        result = StepResult(passes=[("base", n, d, span) for n, d, span in zip(sizes[:passes], adapters_in, spans)])
-        self._settle(live, verify, logits, drafts, {}, host[offsets[passes] :], result)
+                self.commit(s, host[at(s, j)], kept[j][rows[j][id(s)]] if s.params.return_logits else None)
+        for s in ended:
+            self.finish(s)
+        drafts = {id(m.seq): [host[at(m.seq, j)] for j in range(m.count)] for m in members if m.kind == "draft"}
+        result = StepResult(passes=[(k, n, d, span) for (k, n, d), span in zip(info[:passes], spans)])
+        self._settle(live, verify, logits, drafts, {}, host[passes * width :], result)
         result.passes.append((kind, sum(len(w.token_ids) for w in verify), _distinct(live), spans[-1]))
         return result
+
+    def _first_tokens(self, members: list[_Member], j: int, tokens: torch.Tensor, at, kept: list,
+                      ended: list[Sequence]) -> None:
+        """Commit and publish the first token of each prompt computed in pass j, which the device has run (passes
+        queued after it may still be running: the read waits for pass j alone)."""
+        firsts = [m for m in members if m.kind == "prompt" and m.start == j and m.count and not m.published]
+        if not firsts:
+            return
+        values = self.clock.read_after(j + 1, tokens, [at(m.seq, j) for m in firsts])
+        out = []
+        for m, token in zip(firsts, values):
+            s, m.published = m.seq, True
+            s.num_computed = s.num_tokens
+            row = kept[j][at(s, j) - j * self.max_rows] if s.params.return_logits else None
+            if self.commit(s, token, row, False):
+                ended.append(s)  # finished on its first token: back to the scheduler after the sync
+            else:
+                out.append(s)
+        self.publish(out)
 
     # ------------------------------------------------------------ verify
     def _settle(self, live: list[Sequence], work: list[SeqWork], logits: torch.Tensor, drafts: dict, qs: dict,

@@ -87,9 +87,9 @@ def test_every_request_finishes_and_greedy_output_equals_plain(workload, backend
     assert stats["num_preemptions"] > 0
     if MODES[mode] is not None:
         assert stats["speculative"]["cycles"] > 0
-        # requests arrived during cycles and joined their verify passes (cutting drafting short where they came
-        # before the last drafting pass)
-        assert stats["speculative"]["joined"] > 0
+        if not MODES[mode].gate:  # every step a cycle: requests arrived during cycles and joined them (how many
+            # cycles the gate runs depends on the pass times it measures on the device)
+            assert stats["speculative"]["joined"] > 0
 
 
 def test_traffic_is_seeded_and_follows_its_arrival_process():

@@ -275,28 +275,38 @@ def test_greedy_cycles_feed_the_per_pass_cost_model(model):
     assert overhead is not None and overhead >= 0
 
 
-def test_a_verify_pass_that_ran_prompts_prices_no_draft_length(model):
-    """A request arriving during a cycle has its prompt run in the verify pass; that pass's time is the prompt's
-    as much as the drafts', so the gate does not price draft lengths by it (a plain step with prompts in it
-    prices no plain decoding either). Its drafting pass, and the next cycle's verify pass, are recorded."""
+@pytest.mark.parametrize("late_sampled", [False, True], ids=["greedy-arrival", "sampled-arrival"])
+def test_passes_that_ran_prompts_price_no_draft_length(model, late_sampled):
+    """A request arriving during a cycle has its prompt run in the next drafting pass (a sampled arrival in a
+    one-sync cycle: in the verify pass). That pass's time is the prompt's as much as the drafts', so the gate does
+    not price draft lengths by it (a plain step with prompts in it prices no plain decoding either). The cycle's
+    other passes, and the next cycle's, are recorded."""
     path, adapters = model
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=SpecConfig(num_draft_tokens=3,
                                                                                             gate=False)))
     engine.add_adapter("close", adapters["close"])
     params = SamplingParams(max_tokens=12, ignore_eos=True)
+    late = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=1) if late_sampled else params
     for i in range(4):
         engine.add_request(f"r{i}", prompt_token_ids=[i + 1, i + 2, i + 3], sampling_params=params, adapter_name="close")
     engine.step()  # their prompts: a plain step
     engine.intake = lambda: "late" not in engine.seqs and engine.add_request(
-        "late", prompt_token_ids=list(range(1, 41)), sampling_params=params, adapter_name="close")
-    engine.step()  # a cycle: the 40-token prompt arrives after its first drafting pass and joins the verify pass
+        "late", prompt_token_ids=list(range(1, 41)), sampling_params=late, adapter_name="close")
+    engine.step()  # a cycle: the 40-token prompt arrives after its first drafting pass
     engine.intake = None
-    assert engine.stats()["speculative"]["joined"] == 1
+    spec = engine.stats()["speculative"]
+    assert spec["joined"] == 1 and spec["ridden_prompts"] == (not late_sampled)
     times = engine.gate.times
-    assert times.get("base", 4, 0, exact=True) > 0
-    assert not [key for key in times._t if key[0] == "lora"]
-    engine.step()  # decoding only: 5 x (last + 3 drafts)
-    assert times.get("lora", 20, 1, exact=True) > 0
+    assert times.get("base", 4, 0, exact=True) > 0  # the first drafting pass
+    if late_sampled:  # drafting stopped; the prompt ran in the verify pass
+        assert spec["cut_cycles"] == 1 and not [key for key in times._t if key[0] == "lora"]
+    else:  # the prompt ran in pass 2 (not recorded); pass 3 read its adapter for its rider row; the verify pass
+        # ran 4 x (last + 3 drafts) and the late one's plain step
+        # (keys are power-of-two buckets: the prompted pass of 44 tokens would be ("base", 64, 1))
+        assert {key for key in times._t if key[0] == "base"} == {("base", 4, 0), ("base", 8, 1)}
+        assert times.get("lora", 17, 1, exact=True) > 0
+    engine.step()
+    assert times.get("lora", 20 if late_sampled else 19, 1, exact=True) > 0
 
 
 @pytest.mark.parametrize("gate_on", [True, False], ids=["gated", "forced"])

@@ -153,10 +153,11 @@ def test_adapter_riders_decode_in_the_drafting_passes(setup, backend, schedule):
     assert (spec["greedy_cycles"] == spec["cycles"]) == (schedule == "one-sync")
 
 
-def _late_arrival_run(engine, during_the_step: bool, sampled: bool = False):
+def _late_arrival_run(engine, during_the_step: bool, sampled: bool = False, late_params: SamplingParams = PARAMS):
     """Three requests decode (with `sampled`, a fourth one sampled, which sends cycles down the pass-by-pass
     path); then one more arrives before the next step, or while it runs (through `intake`, the first time the
-    step asks, as a serving loop adds it) -> (that step's outputs, every request's final tokens)."""
+    step asks, as a serving loop adds it) -> (that step's outputs, the outputs published during it, every
+    request's final tokens)."""
     for i in range(3):
         engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
     if sampled:
@@ -167,43 +168,94 @@ def _late_arrival_run(engine, during_the_step: bool, sampled: bool = False):
         started |= {o.request_id for o in engine.step() if o.token_ids}
 
     def late() -> None:  # on an adapter already in a slot (a cold one waits for its copy, whenever it arrives)
-        engine.add_request("late", prompt_token_ids=PROMPTS[4], sampling_params=PARAMS, adapter_name=NAMES[0])
+        engine.add_request("late", prompt_token_ids=PROMPTS[4], sampling_params=late_params, adapter_name=NAMES[0])
 
+    published = []
+    engine.publish = published.extend
     if during_the_step:
         engine.intake = lambda: engine.seqs.get("late") is None and late()
     else:
         late()
+    ridden = lambda: (engine.stats().get("speculative") or {}).get("ridden_prompts", 0)  # noqa: E731
+    before = ridden()
     outs = engine.step()
-    engine.intake = None
+    ridden_in_step = ridden() - before
+    engine.intake = engine.publish = None
     final = {o.request_id: o.token_ids for o in outs if o.finished}
     while engine.has_unfinished_requests:
         final |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
-    return outs, final
+    return outs, published, final, ridden_in_step
+
+
+LATE_SAMPLED = SamplingParams(max_tokens=PARAMS.max_tokens, temperature=1.0, seed=9, ignore_eos=True)
 
 
 @pytest.mark.parametrize("schedule", ["one-sync", "pass-by-pass"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_a_request_arriving_during_a_cycle_joins_its_verify_pass(setup, backend, k, schedule):
-    """Drafting stops at the arrival and the new prompt runs in the verify pass: its first token comes with that
-    step, not after another cycle, and every output is still plain decoding's (the sampled request's too: its
-    own generator, seeded)."""
+def test_a_request_arriving_during_a_cycle_rides_it_and_its_first_token_comes_before_the_cycle_ends(
+        setup, backend, k, schedule):
+    """The new prompt runs in the next drafting pass with its adapter on (a plain step for it), decodes in the
+    passes after it, and its first token is published as soon as that pass has run, before the step returns. With
+    no drafting pass left (k = 1: asked before the verify pass) it runs in the verify pass. Every output is still
+    plain decoding's (the sampled request's too: its own generator, seeded)."""
     model, adapters, _ = setup
     sampled = schedule == "pass-by-pass"
-    _, reference = _late_arrival_run(make_engine(model, adapters, None, **backend), False, sampled)
+    _, _, reference, _ = _late_arrival_run(make_engine(model, adapters, None, **backend), False, sampled)
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=k, gate=False), **backend)
-    outs, final = _late_arrival_run(engine, True, sampled)
+    outs, published, final, ridden = _late_arrival_run(engine, True, sampled)
     late = [o for o in outs if o.request_id == "late"]
-    assert len(late) == 1 and len(late[0].token_ids) == 1  # its first token came with the step it arrived in
+    early = [o for o in published if o.request_id == "late"]
     spec = engine.stats()["speculative"]
-    assert spec["joined"] == 1
-    # asked after the first drafting pass: a k-pass cycle stops there (one pass run); a 1-pass one has none
-    # left to skip, and the prompt joins its verify pass all the same
-    assert spec["cut_cycles"] == (k > 1)
+    assert spec["joined"] == 1 and spec["cut_cycles"] == 0
+    if k > 1:  # joined before pass 1: its prompt ran there, then k - 2 more drafting passes and the verify pass
+        assert [len(o.new_token_ids) for o in early] == [1] and ridden == 1
+        assert len(late) == 1 and len(late[0].token_ids) == k and late[0].new_token_ids == late[0].token_ids[1:]
+    else:
+        assert early == [] and ridden == 0
+        assert len(late) == 1 and len(late[0].token_ids) == 1
     assert (spec["greedy_cycles"] == spec["cycles"]) == (schedule == "one-sync")
     if sampled:  # a sampled draft is accepted by chance: only the greedy requests are held to plain's tokens
         assert len(final.pop("sampled")) == len(reference.pop("sampled"))
     assert final == reference
     assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
+
+
+def test_a_sampled_arrival_cuts_a_one_sync_cycle_and_runs_in_its_verify_pass(setup, backend):
+    """Its first token must be drawn on the host, which the one-sync schedule does only at its end: drafting
+    stops at the arrival and its prompt runs in the verify pass (with plain decoding's draw: seeded)."""
+    model, adapters, _ = setup
+    _, _, reference, _ = _late_arrival_run(make_engine(model, adapters, None, **backend), False,
+                                        late_params=LATE_SAMPLED)
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=4, gate=False), **backend)
+    outs, published, final, ridden = _late_arrival_run(engine, True, late_params=LATE_SAMPLED)
+    spec = engine.stats()["speculative"]
+    assert spec["joined"] == 1 and spec["cut_cycles"] == 1 and ridden == 0
+    assert [len(o.token_ids) for o in outs if o.request_id == "late"] == [1] and published == []
+    # its first token is plain decoding's draw; later ones go through rejection sampling (equal in distribution)
+    late, ref = final.pop("late"), reference.pop("late")
+    assert late[0] == ref[0] and len(late) == len(ref)
+    assert final == reference
+
+
+def test_prompts_ride_the_first_drafting_pass(setup, backend):
+    """Requests admitted at a cycle's start compute their prompts in its first drafting pass, with their adapter
+    on, and decode in the passes after it: k + 1 tokens in their first step instead of one, plain's tokens."""
+    model, adapters, expected = setup
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False), **backend)
+    engine.add_request("first", prompt_token_ids=PROMPTS[0], sampling_params=PARAMS, adapter_name=NAMES[0])
+    while not any(o.token_ids for o in engine.step()):  # it decodes: the next step can draft
+        pass
+    for i in range(1, len(PROMPTS)):
+        engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
+    while engine.stats()["speculative"]["ridden_prompts"] == 0:
+        outs = {o.request_id: o for o in engine.step()}
+    started = [o for o in outs.values() if o.request_id != "first"]
+    assert started and all(len(o.token_ids) == 4 for o in started)  # prompt pass, two rider passes, verify
+    final = {o.request_id: o.token_ids for o in outs.values() if o.finished}
+    while engine.has_unfinished_requests:
+        final |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert [final[f"r{i}"] for i in range(1, len(PROMPTS))] == expected[1:]
+    assert final["first"] == expected[0]
 
 
 def test_sampled_request_takes_the_pass_by_pass_cycle(setup, backend):
