@@ -8,10 +8,12 @@ rider needs no verification: each drafting pass is an exact decoding step for it
 sequences and the adapter sequences the gate lets ride (`Gate.rides`), whose rows in the drafting passes run
 with their adapter on (a pass with such rows is a mixed one: adapters off for the drafters, on for them).
 
-Prompts ride too. A prompt in the batch (a new request, or a preempted one computing its tokens again) runs in
-the first drafting pass with its adapter on, exactly the plain step it would otherwise wait a cycle for, and
-decodes as a rider in the passes after it. Its first token is published (`publish`) as soon as the device has
-run that pass, not when the cycle ends, so a new request's first token waits about one pass.
+Prompts do not wait for the verify pass either. A prompt in the batch (a new request, or a preempted one
+computing its tokens again) runs in the first drafting pass with its adapter on, exactly the plain step it would
+otherwise wait a cycle for, and its first token is published (`publish`) as soon as the device has run that
+pass, not when the cycle ends: a new request's first token waits about one pass. In the passes after it, it
+drafts like any adapter sequence (from its first token, verified in the verify pass), or rides when it is
+base-only or its adapter rides (`Gate.prompt_drafts`).
 
 Two schedules, because sampled drafts are drawn on the host between passes (each request's own generator)
 while greedy drafts are an argmax the next pass can read on the device: a cycle whose drafters, riders and
@@ -62,10 +64,16 @@ class _Member:
     count: int
     base: int
     left: int = 0  # tokens it may still generate (riders and prompts)
+    drafts: bool = False  # a prompt that drafts (adapters off) in the passes after its own
     published: bool = False  # a prompt's first token went out before the cycle's end
 
     def runs(self, j: int) -> bool:
         return self.start <= j < self.start + self.count
+
+    @property
+    def adapter_on(self) -> bool:
+        """Its rows after its first pass run with its adapter on (a rider's, a riding prompt's)."""
+        return self.kind == "ride" or (self.kind == "prompt" and not self.drafts)
 
 
 class DraftCycle:
@@ -117,18 +125,21 @@ class DraftCycle:
     # ------------------------------------------------------------ pass by pass
     def _sampled(self, plan: Plan, drafters: list[Sequence], prompts: list[Sequence], join) -> StepResult:
         result = StepResult()
-        lengths = plan.lengths
+        lengths = dict(plan.lengths)
+        planned = max(lengths.values(), default=0)
+        begin = {id(s): 0 for s in drafters}  # each drafter's first drafting pass
+        drafters = list(drafters)
         drafts: dict[int, list[int]] = {id(s): [] for s in drafters}
         qs: dict[int, list[torch.Tensor]] = {id(s): [] for s in drafters}
         riders = list(plan.riders) + prompts
-        for j in range(max(lengths.values(), default=0)):
+        for j in range(planned):
             if j and join is not None:
-                riders += join()  # arrivals ride from this pass on
-            active = [s for s in drafters if lengths[id(s)] > j]
+                riders += join()  # arrivals: their prompts run in this pass
+            active = [s for s in drafters if begin[id(s)] <= j < begin[id(s)] + lengths[id(s)]]
             riders = [s for s in riders if not s.finished]
             starting = [s for s in riders if s.is_prefill]
-            work = [self._row_work(s, s.num_tokens - 1 + j, s.token_ids[-1] if j == 0 else drafts[id(s)][-1], False)
-                    for s in active]
+            work = [self._row_work(s, s.num_tokens - 1 + j - begin[id(s)],
+                                   s.token_ids[-1] if j == begin[id(s)] else drafts[id(s)][-1], False) for s in active]
             work += [self._work(s) for s in riders]
             riding = _distinct(riders)
             start = time.perf_counter()
@@ -140,8 +151,14 @@ class DraftCycle:
             self.counters.draft_passes += 1
             self.counters.ridden_prompts += len(starting)
             self.publish([s for s in starting if not s.finished])
+            for s in starting:  # from its first token on, a prompt drafts in the passes left, unless it rides
+                m = min(planned - j - 1, s.tokens_left(self.max_model_len) - 1, plan.prompt_drafts(s))
+                if not s.finished and m > 0:
+                    riders.remove(s)
+                    drafters.append(s)
+                    begin[id(s)], lengths[id(s)], drafts[id(s)], qs[id(s)] = j + 1, m, [], []
         if join is not None:
-            join()
+            join()  # arrivals after the last drafting pass: their prompts run in the verify pass
 
         live = [s for s in plan.seqs if not s.finished]
         work = [self._work(s, drafts.get(id(s), []), len(drafts.get(id(s), [])) + 1) for s in live]
@@ -188,10 +205,10 @@ class DraftCycle:
         # Riders and prompts: every pass unless a length limit comes first. Stops (EOS, stop strings) show only
         # when the host reads the tokens: a rider that stopped keeps computing to the end of the cycle, into
         # positions its lookahead blocks hold, and those tokens are dropped.
-        for kind, seqs in (("ride", plan.riders), ("prompt", prompts)):
-            for s in seqs:
-                left = s.tokens_left(self.max_model_len)
-                members.append(_Member(s, kind, 0, min(planned, left), s.num_tokens - 1, left))
+        for s in plan.riders:
+            left = s.tokens_left(self.max_model_len)
+            members.append(_Member(s, "ride", 0, min(planned, left), s.num_tokens - 1, left))
+        members += [self._prompt_member(plan, s, 0, planned) for s in prompts]
         late: list[Sequence] = []  # arrivals that run in the verify pass
         ended: list[Sequence] = []  # prompts that ended on a first token read during the cycle
         rows: list[dict[int, int]] = []  # per pass: id(seq) -> its row
@@ -211,8 +228,7 @@ class DraftCycle:
                     self._first_tokens(members, j - 2, tokens, at, kept, ended)
                 for s in join():
                     if s.params.greedy:
-                        left = s.tokens_left(self.max_model_len)
-                        members.append(_Member(s, "prompt", j, min(planned - j, left), s.num_tokens - 1, left))
+                        members.append(self._prompt_member(plan, s, j, planned))
                     else:
                         late.append(s)
                 if late:  # a sampled arrival: drafting stops here, its prompt runs in the verify pass
@@ -230,17 +246,19 @@ class DraftCycle:
                     work.append(self._work(s))  # the prompt, adapter on: one logits row, its first token
                     src += [-1] * len(work[-1].token_ids)
                     prompted += 1
+                    if s.adapter is not None:
+                        adapters_on.add(s.adapter)
                 else:
                     first = j == m.start  # a drafter's or rider's first pass reads its last committed token
                     work.append(self._row_work(s, m.base + j - m.start, s.token_ids[-1] if first else 0,
-                                               m.kind != "draft"))
+                                               m.adapter_on))
                     src.append(-1 if first else at(s, j - 1))
-                if m.kind != "draft" and s.adapter is not None:
-                    adapters_on.add(s.adapter)
+                    if m.adapter_on and s.adapter is not None:
+                        adapters_on.add(s.adapter)
             logits = self.runner.run(work, slots, use_lora=bool(adapters_on), tokens=tokens, owned=False,
                                      token_src=src if j else None)
             torch.argmax(logits, dim=-1, out=tokens[j * width : j * width + len(active)])
-            keep = any(m.kind != "draft" and m.seq.params.return_logits for m in active)
+            keep = any(m.kind != "draft" and m.seq.params.return_logits for m in active)  # riders, prompts
             kept.append(logits.clone() if keep else None)
             self.clock.mark()
             self.counters.draft_passes += 1
@@ -261,6 +279,11 @@ class DraftCycle:
         verify, src = [], []
         for s in live:
             m = at_verify.get(id(s))
+            if m is not None and m.drafts and m.count > 1:  # a prompt's [first token, d1..dm] after its prompt
+                d = m.count - 1
+                verify.append(SeqWork([0] * (d + 1), m.base + 1, s.block_table, slots.lora_slot(s.adapter), d + 1))
+                src += [at(s, m.start + i) for i in range(d + 1)]
+                continue
             if m is not None and m.kind != "draft":  # one more plain step, after the token of its last pass
                 verify.append(self._row_work(s, m.base + m.count, 0, True))
                 src.append(at(s, m.start + m.count - 1))
@@ -272,14 +295,17 @@ class DraftCycle:
         logits = self.runner.run(verify, slots, tokens=tokens, token_src=src, owned=False)
         targets = torch.argmax(logits, dim=-1)
         self.clock.mark()
+        if passes:  # first tokens of the last drafting pass, before the verify pass ends
+            self._first_tokens(members, passes - 1, tokens, at, kept, ended)
         host = torch.cat([tokens[: passes * width], targets]).tolist()  # the cycle's one host sync
         spans = self.clock.spans()
 
-        for m in members:  # riders and prompts: a token from each of their passes
+        ending = {id(s) for s in ended}
+        for m in members:  # riders and prompts: a token from each of their passes (a drafting prompt: its first)
             if m.kind == "draft":
                 continue
             s = m.seq
-            for j in range(m.start + m.published, m.start + m.count):
+            for j in range(m.start + m.published, m.start + (1 if m.drafts else m.count)):
                 if s.finished or id(s) in ending:
                     break
                 s.num_computed = s.num_tokens
@@ -287,10 +313,21 @@ class DraftCycle:
         for s in ended:
             self.finish(s)
         drafts = {id(m.seq): [host[at(m.seq, j)] for j in range(m.count)] for m in members if m.kind == "draft"}
+        drafts |= {id(m.seq): [host[at(m.seq, m.start + i)] for i in range(1, m.count)]
+                   for m in members if m.drafts and m.count > 1 and id(m.seq) not in ending}
         result = StepResult(passes=[(k, n, d, span) for (k, n, d), span in zip(info[:passes], spans)])
         self._settle(live, verify, logits, drafts, {}, host[passes * width :], result)
         result.passes.append((kind, sum(len(w.token_ids) for w in verify), _distinct(live), spans[-1]))
         return result
+
+    def _prompt_member(self, plan: Plan, s: Sequence, j: int, planned: int) -> _Member:
+        """A prompt joining the one-sync schedule at pass j: its prompt runs there; it then drafts in the passes
+        left (at most its tokens to go less its first and the verify pass's token), or rides them."""
+        left = s.tokens_left(self.max_model_len)
+        drafts = min(planned - j - 1, left - 2, plan.prompt_drafts(s))
+        if drafts > 0:
+            return _Member(s, "prompt", j, 1 + drafts, s.num_tokens - 1, left, drafts=True)
+        return _Member(s, "prompt", j, min(planned - j, left), s.num_tokens - 1, left)
 
     def _first_tokens(self, members: list[_Member], j: int, tokens: torch.Tensor, at, kept: list,
                       ended: list[Sequence]) -> None:

@@ -58,6 +58,9 @@ class Plan:
     decoding: int = 0  # sequences decoding (the rest are prefills)
     distinct: int = 0  # distinct adapters among the decoding sequences
     timed: bool = True  # False while the step may capture CUDA graphs: its times are no pass's
+    # How many tokens a prompt computed in one of the cycle's drafting passes may draft in the passes after it
+    # (Gate.prompt_drafts; the cycle caps it by the passes left and the tokens it may still generate)
+    prompt_drafts: Callable[[Sequence], int] = field(default=lambda s: 0, repr=False)
 
 
 @dataclass
@@ -139,8 +142,23 @@ class Gate:
         else:
             self.counters.cycles += 1
             plan.speculate, plan.lengths = True, dict(zip(map(id, lora), lengths))
+            chosen: dict[str, int] = {}
+            for name, m in zip(names, lengths):
+                chosen[name] = max(m, chosen.get(name, 0))
+            plan.prompt_drafts = lambda s: self.prompt_drafts(s, chosen)
             plan.riders += [s for s, r in zip(lora, ride) if r]
         return plan
+
+    def prompt_drafts(self, s: Sequence, chosen: dict[str, int]) -> int:
+        """Drafts for a prompt computed in a drafting pass, in the passes after it: none when it is base-only (it
+        rides: the drafting passes are its own model), its params rule drafting out or its adapter rides; else the
+        longest draft `chosen` for its adapter's sequences in this plan, or, for an adapter the plan has none of,
+        one token below min_acceptance (as draft_lengths gives it) and no limit otherwise."""
+        if s.adapter is None or not s.params.can_draft or self.rides(s):
+            return 0
+        if s.adapter in chosen:
+            return chosen[s.adapter]
+        return 1 if self.cfg.gate and self.adapter(s.adapter).ema < self.cfg.min_acceptance else 1 << 30
 
     def rides(self, s: Sequence) -> bool:
         """An adapter sequence decodes in the drafting passes with its adapter on (a token per pass, as a base-only

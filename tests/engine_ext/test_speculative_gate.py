@@ -300,13 +300,13 @@ def test_passes_that_ran_prompts_price_no_draft_length(model, late_sampled):
     assert times.get("base", 4, 0, exact=True) > 0  # the first drafting pass
     if late_sampled:  # drafting stopped; the prompt ran in the verify pass
         assert spec["cut_cycles"] == 1 and not [key for key in times._t if key[0] == "lora"]
-    else:  # the prompt ran in pass 2 (not recorded); pass 3 read its adapter for its rider row; the verify pass
-        # ran 4 x (last + 3 drafts) and the late one's plain step
+    else:  # the prompt ran in pass 2 (not recorded); in pass 3 it drafted, adapters off; the verify pass ran
+        # 4 x (last + 3 drafts) and the late one's [first token, 1 draft]
         # (keys are power-of-two buckets: the prompted pass of 44 tokens would be ("base", 64, 1))
-        assert {key for key in times._t if key[0] == "base"} == {("base", 4, 0), ("base", 8, 1)}
-        assert times.get("lora", 17, 1, exact=True) > 0
+        assert {key for key in times._t if key[0] == "base"} == {("base", 4, 0), ("base", 8, 0)}
+        assert times.get("lora", 18, 1, exact=True) > 0
     engine.step()
-    assert times.get("lora", 20 if late_sampled else 19, 1, exact=True) > 0
+    assert times.get("lora", 20, 1, exact=True) > 0
 
 
 @pytest.mark.parametrize("gate_on", [True, False], ids=["gated", "forced"])

@@ -39,7 +39,7 @@ def engine_for(paths, spec, seed=0):
     return engine
 
 
-def exact_plain(paths) -> dict[tuple[int, int], float]:
+def exact_plain(paths, prompt=PROMPT) -> dict[tuple[int, int], float]:
     engine = engine_for(paths, None)
     greedy = SamplingParams(max_tokens=1, ignore_eos=True, return_logits=True)
 
@@ -47,8 +47,8 @@ def exact_plain(paths) -> dict[tuple[int, int], float]:
         logits = engine.generate(prompt_token_ids=[prefix], sampling_params=greedy, adapter_names=["a"])[0].logits
         return probabilities(logits, [PARAMS])[0].double()
 
-    first = next_probs(PROMPT)
-    return {(a, b): float(first[a] * p2) for a in range(6) for b, p2 in enumerate(next_probs(PROMPT + [a]))}
+    first = next_probs(prompt)
+    return {(a, b): float(first[a] * p2) for a in range(6) for b, p2 in enumerate(next_probs(prompt + [a]))}
 
 
 def sample_pairs(paths, n, seed):
@@ -83,4 +83,36 @@ def test_speculative_sampling_matches_plain_distribution(paths, monkeypatch):
 
     monkeypatch.setattr(speculative, "acceptance_probability", lambda p, q: torch.ones_like(p))  # accept all
     broken, _ = sample_pairs(paths, 5_000, seed=2)
+    assert p_value(broken, exact) < 0.01
+
+
+def sample_pairs_of_prompts_in_cycles(paths, n, seed):
+    """n sampled requests admitted while another one decodes: each has its prompt (two tokens: a one-token prompt
+    is a decoding step already, which drafts from the start) computed in a cycle's first drafting pass (adapter on,
+    t1 drawn there), then drafts one token in the second (adapters off), which the verify pass accepts or
+    resamples (t2)."""
+    engine = engine_for(paths, SpecConfig(num_draft_tokens=2, gate=False), seed)
+    engine.add_request("pilot", prompt_token_ids=PROMPT, adapter_name="a",
+                       sampling_params=SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()  # its prompt: a plain step; from now on every step is a cycle
+    ids = [engine.add_request(prompt_token_ids=PROMPT2, sampling_params=PARAMS, adapter_name="a") for _ in range(n)]
+    final = {}
+    while len(final) < n:
+        final |= {o.request_id: o.token_ids for o in engine.step() if o.finished and o.request_id != "pilot"}
+    return collections.Counter(tuple(final[i][:2]) for i in ids), engine.stats()
+
+
+PROMPT2 = [1, 2]
+
+
+def test_prompts_computed_in_a_drafting_pass_keep_the_plain_distribution(paths, monkeypatch):
+    exact = exact_plain(paths, PROMPT2)
+    observed, stats = sample_pairs_of_prompts_in_cycles(paths, 20_000, seed=3)
+    spec = stats["speculative"]
+    assert spec["ridden_prompts"] == 20_000  # in pass-by-pass cycles (sampled requests)
+    assert stats["adapters"]["a"]["drafted_tokens"] >= 20_000  # each one's draft in the second pass
+    assert p_value(observed, exact) > 0.01
+
+    monkeypatch.setattr(speculative, "acceptance_probability", lambda p, q: torch.ones_like(p))  # accept all
+    broken, _ = sample_pairs_of_prompts_in_cycles(paths, 5_000, seed=4)
     assert p_value(broken, exact) < 0.01
