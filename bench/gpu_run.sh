@@ -104,6 +104,9 @@ for step in $STEPS; do
         --sections forward --kernel-settings "$KERNEL_SETTINGS" \
         --out "$OUT/forward_8b.json" 2>&1 | quiet >"$OUT/forward_8b.log"
       echo "8b rc $?" ;;
+    order)  # forward cost at batches 32-128 with rows in arrival order or grouped by adapter; eager vs graph
+      timeout 200 python3 bench/forward_order.py --out "$OUT/order.json" >"$OUT/order.log" 2>&1
+      echo "order rc $?" ;;
     profile)  # where a decode forward's GPU time goes, kernel by kernel (base and 32 rank-16 adapters)
       timeout 120 python3 bench/profile_step.py >"$OUT/profile.log" 2>&1; echo "profile rc $?" ;;
     fused)

@@ -427,7 +427,8 @@ class LLMServer:
         spec = s.get("speculative")
         if spec is not None:
             out["speculative"] = {"cycles": spec["cycles"], "plain_steps": spec["plain_steps"],
-                                  "joined": spec.get("joined"), "gate_decisions": dict(spec["gate_decisions"])}
+                                  "joined": spec.get("joined"), "ridden_prompts": spec.get("ridden_prompts"),
+                                  "gate_decisions": dict(spec["gate_decisions"])}
         engine_adapters = s.get("adapters") or {}
         if keys:
             out["adapters"] = {}

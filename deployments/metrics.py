@@ -46,8 +46,10 @@ _ADAPTER_SERIES = {
 _SPEC_SERIES = {
     "cycles": ("loraserve_spec_cycles_total", "Speculative cycles (k LoRA-off drafts + one adapter-on verify)"),
     "plain_steps": ("loraserve_spec_plain_steps_total", "Plain multi-LoRA decode steps the gate chose"),
-    "joined": ("loraserve_spec_joined_requests_total", "Requests that arrived during a cycle and had their prompt "
-               "run in its verify pass"),
+    "joined": ("loraserve_spec_joined_requests_total", "Requests that arrived during a cycle and were admitted "
+               "into it"),
+    "ridden_prompts": ("loraserve_spec_ridden_prompts_total", "Prompts computed in a cycle's drafting pass, their "
+                       "first token handed out once that pass ran"),
 }
 _GATE_SERIES = ("loraserve_spec_gate_decisions_total", "The speculation gate's per-step decisions by kind "
                 "(speculate*: a cycle ran, plain*: a plain step ran)")
