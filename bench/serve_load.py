@@ -107,7 +107,8 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
            sync=lambda: None) -> list[Record]:
     """Drive `engine.step()` under open-loop arrivals: before each step, add every request that has arrived and
     abort those past their `abort_after`; during a step, a speculative cycle takes in those that arrive between
-    its passes (the engine's `intake`), as a serving loop's does. `params_for(request)` gives its SamplingParams. A
+    its passes (the engine's `intake`) and hands out first tokens before it ends (`publish`, recorded at that
+    moment), as a serving loop's does. `params_for(request)` gives its SamplingParams. A
     request the engine refuses is recorded with its error, not raised. Returns one record per request, in
     arrival order."""
     records = {r.request_id: Record(r) for r in requests}
