@@ -77,6 +77,10 @@ class AppConfig(BaseModel):
     # (and replaced) within about one period, not Serve's default 10 s.
     health_check_period_s: float = Field(2.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)
+    warm_start: bool = Field(True, description=(
+        "start LLM replicas' worker processes as forks of a per-node server that already imported Ray, torch, "
+        "transformers and this project (deployments.warm_start): a replacement serves in seconds, not after a "
+        "new process's imports; False: Ray starts each one cold"))
 
     # --- tenants, limits, control plane ----------------------------------------------
     api_keys: dict[str, str] = Field(
