@@ -38,6 +38,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from deployments.serve_internals import SERVE_REPLICA_MODULE, ray_worker_script
 from deployments.warm_launch import HEADER_BYTES, socket_path
 
 __all__ = ["PRELOAD_MODULES", "launcher_command", "ensure_server", "server_answers", "forked_at"]
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 # What an LLM replica imports before it serves: Serve's replica actor (Ray's worker with it), the engine and
 # torch, the tokenizer's transformers classes, the deployment and what its constructor imports.
-PRELOAD_MODULES = ("ray.serve._private.replica", "torch", "transformers",
+PRELOAD_MODULES = (SERVE_REPLICA_MODULE, "torch", "transformers",
                    "transformers.tokenization_utils_tokenizers", "safetensors.torch", "engine_ext",
                    "deployments.llm_deployment", "deployments.bootstrap", "registry", "demo")
 # BLAS and OpenMP pools start their threads when their library loads; the server must hold no thread when it
@@ -272,13 +273,6 @@ def _alive(process) -> bool:
         return False
 
 
-def ray_worker_script() -> str:
-    """The script Ray runs as each Python worker (its command line's first argument)."""
-    import ray._private.workers
-
-    return os.path.join(os.path.dirname(ray._private.workers.__file__), "default_worker.py")
-
-
 def serve(path: str, modules: tuple[str, ...] = PRELOAD_MODULES, worker_script: Optional[str] = None) -> None:
     """Import `modules`, then fork a `worker_script` (default: Ray's) for each launcher that asks and matches,
     until the raylet that started this node's workers exits (or the imported sources change)."""
@@ -287,7 +281,8 @@ def serve(path: str, modules: tuple[str, ...] = PRELOAD_MODULES, worker_script: 
     import psutil  # a Ray dependency
 
     raylet = psutil.Process(int(os.environ["RAY_RAYLET_PID"]))
-    lock = open(path + ".lock", "w")  # noqa: SIM115 - held for the server's life: one server per socket
+    # Held for the server's life: one server per socket. Socket and lock are this user's alone.
+    lock = os.fdopen(os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o600), "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -307,7 +302,11 @@ def serve(path: str, modules: tuple[str, ...] = PRELOAD_MODULES, worker_script: 
     if os.path.exists(path):
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX)
-    server.bind(path)
+    umask = os.umask(0o177)
+    try:
+        server.bind(path)
+    finally:
+        os.umask(umask)
     server.listen(64)
     server.settimeout(ACCEPT_TIMEOUT_S)
     print(f"warm start server {os.getpid()} on {path}: imported in {time.perf_counter() - started:.1f} s",

@@ -137,6 +137,14 @@ def test_launcher_and_forked_worker_end_together(node):
         stop(server)
 
 
+def test_only_the_servers_user_can_reach_it(node):
+    server = start_server(node)
+    try:
+        assert os.stat(node["socket"]).st_mode & 0o777 == 0o600
+    finally:
+        stop(server)
+
+
 def test_the_server_ends_with_its_raylet(node):
     server = start_server(node)
     try:
