@@ -16,6 +16,7 @@ from deployments.config import AppConfig, load_config
 from deployments.ingress import OpenAIIngress
 from deployments.llm_deployment import LLMDeployment
 from deployments.placement import PlacementControllerDeployment
+from deployments.warm_start import launcher_command
 from router.ray_router import ROUTER_CLASS_PATH
 
 __all__ = ["build_app", "bind_app"]
@@ -32,6 +33,9 @@ def bind_app(cfg: AppConfig):
         router = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=dict(cfg.router),
                                      request_routing_stats_period_s=cfg.routing_stats_period_s)
     threads = str(cfg.torch_threads)
+    runtime_env: dict[str, Any] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
+    if cfg.warm_start:
+        runtime_env["py_executable"] = launcher_command()
     llm = LLMDeployment.options(
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
@@ -41,7 +45,7 @@ def bind_app(cfg: AppConfig):
         ray_actor_options={
             "num_cpus": cfg.num_cpus_per_replica,
             "num_gpus": cfg.num_gpus_per_replica,
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
+            "runtime_env": runtime_env,
         },
     ).bind(cfg.model_dump(mode="json"), placement)
     return OpenAIIngress.options(

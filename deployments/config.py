@@ -73,10 +73,16 @@ class AppConfig(BaseModel):
         True, description="replicas push their adapter ids to Serve's controller on every load (both routers see it)"
     )
     routing_stats_period_s: float = Field(1.0, gt=0)
-    # How often Serve checks each LLM replica, and how long a check may take: a replica that died is noticed
-    # (and replaced) within about one period, not Serve's default 10 s.
-    health_check_period_s: float = Field(2.0, gt=0)
+    # How often Serve checks each LLM replica, and how long a check may take. Serve notices a replica that died
+    # at its next check (it ignores the failures of its other calls to it): half a period after the death on
+    # average, at 2 s a third of a warm replacement's time. Checks every 0.5 s cost each LLM replica about 0.6%
+    # of a core and the controller about 0.3% per replica more than every 2 s (bench/RESULTS.md section 8).
+    health_check_period_s: float = Field(0.5, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)
+    warm_start: bool = Field(True, description=(
+        "start LLM replicas' worker processes as forks of a per-node server that already imported Ray, torch, "
+        "transformers and this project (deployments.warm_start): a replacement serves in seconds, not after a "
+        "new process's imports; False: Ray starts each one cold"))
 
     # --- tenants, limits, control plane ----------------------------------------------
     api_keys: dict[str, str] = Field(

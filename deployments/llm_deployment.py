@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
+from deployments import warm_start
 from deployments.config import AppConfig
 from deployments.llm_server import LLMServer, engine_config
 from deployments.protocol import GenerateRequest
@@ -21,7 +22,8 @@ __all__ = ["LLMDeployment"]
 class LLMDeployment:
     async def __init__(self, config: dict[str, Any], placement: Any = None):
         # Wall-clock marks of this replica's start-up (describe()["startup"]): where a replacement's time goes.
-        marks = {"process_started": _process_started_at(), "constructor": time.time()}
+        marks = {"process_started": _process_started_at(), "constructor": time.time(),
+                 "warm_start": warm_start.forked_at() is not None}
         import torch
 
         from deployments.bootstrap import make_registry, replica_model_dir
@@ -46,6 +48,8 @@ class LLMDeployment:
         marks["ready"] = time.time()
         marks["engine"] = dict(llm.startup)  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
         self.startup = marks
+        if cfg.warm_start:  # for the replicas Ray starts on this node from now on (after this one is ready)
+            asyncio.get_running_loop().run_in_executor(None, warm_start.ensure_server)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
         async for chunk in self.server.generate(req):
@@ -60,8 +64,8 @@ class LLMDeployment:
 
     async def describe(self) -> dict[str, Any]:
         """Replica id, known adapters, routing stats, placement share and start-up: wall-clock marks
-        (process_started, constructor, imports_done, model_dir_ready, engine_ready, ready, first_chunk_sent)
-        and the engine's own seconds (tests and operators)."""
+        (process_started, constructor, imports_done, model_dir_ready, engine_ready, ready, first_chunk_sent),
+        warm_start (the process was forked from the node's warm server) and the engine's own seconds."""
         return {"replica": self.server.replica_id, "adapters": self.server.adapters.known(),
                 "stats": self.server.record_routing_stats(), "placement": self.server.placement.share,
                 "startup": self.startup}

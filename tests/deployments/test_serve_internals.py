@@ -19,6 +19,17 @@ def test_ray_still_has_the_private_calls_we_use():
     assert callable(_get_global_client)
 
 
+def test_ray_still_starts_serve_replicas_as_warm_starts_expect():
+    import importlib
+    import os
+
+    from deployments.serve_internals import SERVE_REPLICA_MODULE, ray_worker_script
+
+    assert hasattr(importlib.import_module(SERVE_REPLICA_MODULE), "ReplicaActor")
+    script = ray_worker_script()  # beside it, the script Ray runs first for a worker with a runtime env
+    assert os.path.isfile(script) and os.path.isfile(os.path.join(os.path.dirname(script), "setup_worker.py"))
+
+
 def test_publisher_sends_keys_and_stats_for_this_replica(monkeypatch):
     import ray.serve.context as context
     from ray import serve
