@@ -53,7 +53,7 @@ class LLMEngine:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.seqs: dict[str, Sequence] = {}
         # Set by a serving loop: adds the requests that arrived since it last added any (add_request). A
-        # speculative cycle calls it between its passes, and what it admits joins the cycle's verify pass instead
+        # speculative cycle calls it between its passes, and what it admits runs in the cycle's next pass instead
         # of waiting for the next step (DraftCycle.run's `join`).
         self.intake: Callable[[], None] | None = None
         # Set by a serving loop: takes outputs published during a step, before step() returns them (a prompt's

@@ -118,7 +118,7 @@ class Scheduler:
     def admit(self, batch: ScheduledBatch) -> list[Sequence]:
         """Admit waiting requests into `batch` (appended to batch.seqs as prefills) while blocks, sequence
         slots, its token budget and adapter slots allow; FCFS. Called at scheduling, and again by a speculative
-        cycle for requests that arrived while it drafted (their prompts join its verify pass). -> the admitted."""
+        cycle for requests that arrived while it drafted (their prompts run in its next pass). -> the admitted."""
         lookahead, budget = batch.lookahead, batch.budget
         admitted: list[Sequence] = []
         issued = False

@@ -55,8 +55,9 @@ Commit = Callable[..., bool]
 @dataclass
 class _Member:
     """A sequence's part in the one-sync schedule's drafting passes: it runs passes start .. start + count - 1.
-    A prompt computes its prompt in pass `start` (adapter on) and then decodes like a rider; a drafter's rows
-    run with adapters off; a rider's with its own adapter. `base`: the position of its last token at entry."""
+    A drafter's rows run with adapters off, a rider's with its own adapter. A prompt computes its prompt in pass
+    `start` (adapter on), then drafts from its first token (`drafts`) or rides. `base`: the position of its last
+    token at entry."""
 
     seq: Sequence
     kind: str  # "draft", "ride" or "prompt"
@@ -242,19 +243,18 @@ class DraftCycle:
             work, src, adapters_on, prompted = [], [], set(), 0
             for m in active:
                 s = m.seq
-                if m.kind == "prompt" and j == m.start:
+                prefill = m.kind == "prompt" and j == m.start
+                if prefill:
                     work.append(self._work(s))  # the prompt, adapter on: one logits row, its first token
                     src += [-1] * len(work[-1].token_ids)
                     prompted += 1
-                    if s.adapter is not None:
-                        adapters_on.add(s.adapter)
                 else:
                     first = j == m.start  # a drafter's or rider's first pass reads its last committed token
                     work.append(self._row_work(s, m.base + j - m.start, s.token_ids[-1] if first else 0,
                                                m.adapter_on))
                     src.append(-1 if first else at(s, j - 1))
-                    if m.adapter_on and s.adapter is not None:
-                        adapters_on.add(s.adapter)
+                if (prefill or m.adapter_on) and s.adapter is not None:
+                    adapters_on.add(s.adapter)
             logits = self.runner.run(work, slots, use_lora=bool(adapters_on), tokens=tokens, owned=False,
                                      token_src=src if j else None)
             torch.argmax(logits, dim=-1, out=tokens[j * width : j * width + len(active)])
