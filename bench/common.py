@@ -138,6 +138,7 @@ def spec_delta(before: dict, after: dict) -> dict:
             "cycle_passes": {str(k): v for k, v in sorted(passes.items()) if v},
             "joined": sa["joined"] - sb.get("joined", 0), "cut_cycles": sa["cut_cycles"] - sb.get("cut_cycles", 0),
             "ridden_prompts": sa.get("ridden_prompts", 0) - sb.get("ridden_prompts", 0),
+            "paced_prompts": sa.get("paced_prompts", 0) - sb.get("paced_prompts", 0),
             "gate_decisions": {k: v for k, v in decisions.items() if v}}
 
 

@@ -107,6 +107,12 @@ for step in $STEPS; do
     order)  # forward cost at batches 32-128 with rows in arrival order or grouped by adapter; eager vs graph
       timeout 200 python3 bench/forward_order.py --out "$OUT/order.json" >"$OUT/order.log" 2>&1
       echo "order rc $?" ;;
+    attnrows)  # batch-128 forwards (decode, verify k=1..4, base-only of the same shapes) per attention tile height
+      for rows in ${ATTN_ROWS:-16 32}; do
+        timeout 150 python3 bench/forward_order.py --batches 128 --no-eager --kernel-settings "{\"attn_rows\": $rows}" \
+          --out "$OUT/order-rows$rows.json" >"$OUT/order-rows$rows.log" 2>&1
+        echo "attnrows $rows rc $?"
+      done ;;
     profile)  # where a decode forward's GPU time goes, kernel by kernel (base and 32 rank-16 adapters)
       timeout 120 python3 bench/profile_step.py >"$OUT/profile.log" 2>&1; echo "profile rc $?" ;;
     fused)

@@ -325,8 +325,9 @@ def main() -> None:
         torch.set_num_threads(args.cpu_threads)
     model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu, MIXES[args.mix])
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
+    # graphs up to EngineConfig's default size: a full batch's verify pass (what a deployment gets)
     fast = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
-                max_graph_tokens=512, kv_cache_memory_gb=24) if gpu else dict(num_kv_blocks=4096)
+                kv_cache_memory_gb=24) if gpu else dict(num_kv_blocks=4096)
     cfg = EngineConfig(model=model_dir, device=args.device, dtype="bfloat16" if gpu else "float32",
                        max_loras=args.max_loras, max_lora_rank=max(args.max_rank, args.rank), max_cpu_loras=max(64, args.adapters),
                        max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=2048, speculative=spec,

@@ -428,6 +428,7 @@ class LLMServer:
         if spec is not None:
             out["speculative"] = {"cycles": spec["cycles"], "plain_steps": spec["plain_steps"],
                                   "joined": spec.get("joined"), "ridden_prompts": spec.get("ridden_prompts"),
+                                  "paced_prompts": spec.get("paced_prompts"),
                                   "gate_decisions": dict(spec["gate_decisions"])}
         engine_adapters = s.get("adapters") or {}
         if keys:

@@ -50,6 +50,8 @@ _SPEC_SERIES = {
                "into it"),
     "ridden_prompts": ("loraserve_spec_ridden_prompts_total", "Prompts computed in a cycle's drafting pass, their "
                        "first token handed out once that pass ran"),
+    "paced_prompts": ("loraserve_spec_paced_prompts_total", "Prompts that waited for a later pass of a cycle, or "
+                      "the next step, so that no pass outgrew the largest CUDA graph"),
 }
 _GATE_SERIES = ("loraserve_spec_gate_decisions_total", "The speculation gate's per-step decisions by kind "
                 "(speculate*: a cycle ran, plain*: a plain step ran)")

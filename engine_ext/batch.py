@@ -42,7 +42,8 @@ def pack_forward(work: list[SeqWork], block_size: int, zero_slot: int, rows: np.
     (a sequence's block ids, then `pad_block`). With `pad_to` (a graph's token bucket, >= T) also everything a
     `pad_to`-token graph reads beyond that, so that buffers reused from forward to forward hold nothing from an
     earlier batch: tokens [T, pad_to) are padding (id 0 at position 0 of block `pad_block`, in an extra
-    sequence B whose table row is all `pad_block`, on the zero adapter slot), and logits rows [N, pad_to) are 0.
+    sequence B whose table row is all `pad_block`, query indices 0, 1, ..., on the zero adapter slot), and logits
+    rows [N, pad_to) are 0.
     A logits row left over from a larger batch would make the graph gather past the end of its buffers."""
     num_seqs = len(work)
     per_seq = np.array([(len(w.token_ids), w.num_logits, w.start, w.lora_slot) for w in work], dtype=np.int64)
@@ -72,6 +73,7 @@ def pack_forward(work: list[SeqWork], block_size: int, zero_slot: int, rows: np.
         rows[:NUM_ROWS, pad] = 0
         rows[KV_SLOT, pad] = pad_block * block_size
         rows[SEQ, pad] = num_seqs
+        rows[QIDX, pad] = np.arange(pad_to - num_tokens)  # the attention kernel tiles a sequence by query index
         rows[LORA, pad] = zero_slot
         rows[LOGITS, num_logits:pad_to] = 0  # rows nobody reads, gathered from token 0 of this forward
     return num_tokens, num_logits

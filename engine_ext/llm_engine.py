@@ -198,7 +198,8 @@ class LLMEngine:
             spec, max_model_len=self.max_model_len, capturing=self.runner.capturing, stats=self.counters)
         self.cycle = None if spec is None else DraftCycle(
             self.runner, self.adapters.slots, self._commit, self.generator, self.max_model_len, self.counters.spec,
-            max_rows=self.config.max_num_seqs, publish=self._publish_early, finish=self.scheduler.finish)
+            max_rows=self.config.max_num_seqs, publish=self._publish_early, finish=self.scheduler.finish,
+            pass_tokens=self.config.max_graph_tokens if self.config.cuda_graphs else None)
 
     def _fail_orphans(self) -> None:
         """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""

@@ -3,11 +3,12 @@ per sequence), one program per (run of query tokens, KV head).
 
     out[t, h] = softmax(q[t, h] . K[seq(t), :pos(t)+1]^T * scale) @ V[seq(t), :pos(t)+1]
 
-(same contract as attention.paged_attention). A token leads a run when its sequence differs from
-the previous token's (or it starts an aligned block of BLOCK_Q tokens); the leader's program takes
-up to BLOCK_Q query tokens of its sequence times the GROUP query heads sharing one KV head as one
-tile, so every K/V page is read once per run and head group (the k+1 verify tokens share it), with
-a per-row causal mask and an online softmax. Positions and block-table rows are read on the
+(same contract as attention.paged_attention). A token leads a run when its index among its
+sequence's query tokens is a multiple of BLOCK_Q (its first token, then every BLOCK_Q-th); the
+leader's program takes up to BLOCK_Q query tokens of its sequence times the GROUP query heads
+sharing one KV head as one tile, so every K/V page is read once per run and head group (a verify
+pass's k+1 tokens share one run when k+1 <= BLOCK_Q, wherever they sit in the flat token list),
+with a per-row causal mask and an online softmax. Positions and block-table rows are read on the
 device, so the kernel needs no host-side lengths: a CUDA graph captured once replays for any mix
 of context lengths; programs of non-leaders return at once.
 """
@@ -40,7 +41,7 @@ def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, str
 
 
 @triton.jit
-def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, positions_ptr, T, scale,
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, qidx_ptr, positions_ptr, T, scale,
                        window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
@@ -50,13 +51,13 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
-    prev = tl.load(token_seq_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)
-    if (seq != prev) | (t % BLOCK_Q == 0):  # t leads the run of its sequence's query tokens in this block
+    if tl.load(qidx_ptr + t) % BLOCK_Q == 0:  # t leads a run of its sequence's query tokens
         # Tile rows: BLOCK_Q query tokens x GROUP_PAD heads sharing KV head kvh; row r = (r // GROUP_PAD, r % GROUP_PAD).
+        # A sequence's query tokens are consecutive, so the run is the tokens after t of t's sequence.
         rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
         tok = t + rows // GROUP_PAD
         head = kvh * GROUP + rows % GROUP_PAD
-        in_block = (tok < T) & (tok < (t // BLOCK_Q + 1) * BLOCK_Q)
+        in_block = tok < T
         tok_seq = tl.load(token_seq_ptr + tok, mask=in_block, other=-1).to(tl.int64)
         valid_row = in_block & (tok_seq == seq) & (rows % GROUP_PAD < GROUP)
         pos_leader = tl.load(positions_ptr + t).to(tl.int32)
@@ -165,7 +166,8 @@ def paged_attention_triton(
         ml = torch.empty(num_tokens, heads, splits, 2, dtype=torch.float32, device=q.device)
         strides = (part.stride(0), part.stride(1))
     _paged_attn_kernel[(num_tokens, kv_heads, splits)](
-        q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.positions, num_tokens, scale, sliding_window or 0,
+        q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.token_qidx, meta.positions, num_tokens, scale,
+        sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q(group_pad, settings.attn_rows),
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,

@@ -15,6 +15,15 @@ pass, not when the cycle ends: a new request's first token waits about one pass.
 drafts like any adapter sequence (from its first token, verified in the verify pass), or rides when it is
 base-only or its adapter rides (`Gate.prompt_drafts`).
 
+Prompts are paced so that every pass fits the largest CUDA graph (`pass_tokens`): a forward past the graphs
+runs eager, several times slower for its size (bench/RESULTS.md section 1), and every sequence of the batch
+waits for it. A prompt that would push a pass past the graphs waits for the next pass with room, in arrival
+order, and one that no pass of the cycle has room for (the verify pass included) is computed in the next step.
+Two exceptions: the first prompt of a cycle always runs in its first pass, whatever its size, so a long prompt is
+never put off for good; and when the prompts waiting are more than the passes left (and the next step's first)
+can take, they all run at once, as a plain step would run them: an eager pass over many prompt tokens costs
+less per token than the graphs, and spreading them would hold most of them back for several steps (a burst).
+
 Two schedules, because sampled drafts are drawn on the host between passes (each request's own generator)
 while greedy drafts are an argmax the next pass can read on the device: a cycle whose drafters, riders and
 prompts are all greedy queues every pass back to back with one host sync at the end (`_greedy`); otherwise each
@@ -81,10 +90,12 @@ class DraftCycle:
     def __init__(self, runner, slots: AdapterSlots, commit: Commit, generator: torch.Generator,
                  max_model_len: int, counters: SpecStats, max_rows: int = 1024,
                  publish: Callable[[list[Sequence]], None] | None = None,
-                 finish: Callable[[Sequence], None] | None = None):
+                 finish: Callable[[Sequence], None] | None = None, pass_tokens: int | None = None):
         """max_rows: the most sequences one pass can hold (the scheduler's max_num_seqs). publish: hands a
-        prompt's first token out before the cycle ends; finish: returns an ended sequence to the scheduler."""
+        prompt's first token out before the cycle ends; finish: returns an ended sequence to the scheduler.
+        pass_tokens: the most tokens a pass takes prompts up to (the largest CUDA graph; None: no limit)."""
         self.runner, self.slots, self.commit, self.generator = runner, slots, commit, generator
+        self.pass_tokens = pass_tokens
         self.max_model_len = max_model_len
         self.counters = counters
         self.max_rows = max_rows
@@ -114,6 +125,31 @@ class DraftCycle:
 
         return counted
 
+    def _fitting(self, queue: list[Sequence], used: int, first: bool = False, paced: set[int] | None = None,
+                 later: int = 0) -> list[Sequence]:
+        """Take from the front of `queue` (arrival order) the prompts that fit a pass already holding `used`
+        tokens within pass_tokens; with `first` (a cycle's first pass) its first prompt whatever its size. `later`:
+        prompt tokens the passes after this one can still take (to the next step's first pass); a queue that
+        outgrows this pass's room and theirs is taken whole. The ones left go into `paced` (ids)."""
+        needs = [s.num_tokens - s.num_computed for s in queue]
+        if self.pass_tokens is None or sum(needs) > self.pass_tokens - used + later:
+            taken, queue[:] = list(queue), []
+            return taken
+        taken: list[Sequence] = []
+        while queue:
+            need = queue[0].num_tokens - queue[0].num_computed
+            if used + need > self.pass_tokens and not (first and not taken):
+                break
+            taken.append(queue.pop(0))
+            used += need
+        if paced is not None:
+            paced.update(id(s) for s in queue)
+        return taken
+
+    def _room(self, rows: int) -> int:
+        """Prompt tokens a pass of `rows` decoding rows has room for within pass_tokens."""
+        return max(0, self.pass_tokens - rows) if self.pass_tokens is not None else 0
+
     def _work(self, s: Sequence, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
         return s.work(self.slots.lora_slot(s.adapter), extra, num_logits)
 
@@ -132,13 +168,16 @@ class DraftCycle:
         drafters = list(drafters)
         drafts: dict[int, list[int]] = {id(s): [] for s in drafters}
         qs: dict[int, list[torch.Tensor]] = {id(s): [] for s in drafters}
-        riders = list(plan.riders) + prompts
+        riders, queue = list(plan.riders), list(prompts)  # queue: prompts waiting for a pass with room
+        paced: set[int] = set()
         for j in range(planned):
             if j and join is not None:
-                riders += join()  # arrivals: their prompts run in this pass
+                queue += join()  # arrivals: their prompts run in this pass, if it has room
             active = [s for s in drafters if begin[id(s)] <= j < begin[id(s)] + lengths[id(s)]]
             riders = [s for s in riders if not s.finished]
-            starting = [s for s in riders if s.is_prefill]
+            used = len(active) + len(riders)
+            starting = self._fitting(queue, used, j == 0, paced, self._room(used) * (planned - j))
+            riders += starting
             work = [self._row_work(s, s.num_tokens - 1 + j - begin[id(s)],
                                    s.token_ids[-1] if j == begin[id(s)] else drafts[id(s)][-1], False) for s in active]
             work += [self._work(s) for s in riders]
@@ -159,10 +198,16 @@ class DraftCycle:
                     drafters.append(s)
                     begin[id(s)], lengths[id(s)], drafts[id(s)], qs[id(s)] = j + 1, m, [], []
         if join is not None:
-            join()  # arrivals after the last drafting pass: their prompts run in the verify pass
+            queue += join()  # arrivals after the last drafting pass: their prompts run in the verify pass
 
-        live = [s for s in plan.seqs if not s.finished]
+        waiting = {id(s) for s in queue}
+        live = [s for s in plan.seqs if not s.finished and id(s) not in waiting]
         work = [self._work(s, drafts.get(id(s), []), len(drafts.get(id(s), [])) + 1) for s in live]
+        late = self._fitting(queue, sum(len(w.token_ids) for w in work), False, paced,
+                             self._room(len(live)))  # the rest: next step
+        self.counters.paced_prompts += len(paced)
+        live += late
+        work += [self._work(s) for s in late]
         kind = _verify_kind(live)
         start = time.perf_counter()
         logits = self.runner.run(work, self.slots)
@@ -209,8 +254,9 @@ class DraftCycle:
         for s in plan.riders:
             left = s.tokens_left(self.max_model_len)
             members.append(_Member(s, "ride", 0, min(planned, left), s.num_tokens - 1, left))
-        members += [self._prompt_member(plan, s, 0, planned) for s in prompts]
-        late: list[Sequence] = []  # arrivals that run in the verify pass
+        queue = list(prompts)  # prompts waiting for a pass with room (pass_tokens), in arrival order
+        paced: set[int] = set()  # the ones that waited
+        late: list[Sequence] = []  # sampled arrivals: they can only run in the verify pass
         ended: list[Sequence] = []  # prompts that ended on a first token read during the cycle
         rows: list[dict[int, int]] = []  # per pass: id(seq) -> its row
 
@@ -228,14 +274,14 @@ class DraftCycle:
                 if j >= 2:
                     self._first_tokens(members, j - 2, tokens, at, kept, ended)
                 for s in join():
-                    if s.params.greedy:
-                        members.append(self._prompt_member(plan, s, j, planned))
-                    else:
-                        late.append(s)
+                    (queue if s.params.greedy else late).append(s)
                 if late:  # a sampled arrival: drafting stops here, its prompt runs in the verify pass
                     passes = j
                     self.counters.cut_cycles += 1
                     break
+            used = sum(m.runs(j) for m in members)
+            taken = self._fitting(queue, used, j == 0, paced, self._room(used) * (planned - j))
+            members += [self._prompt_member(plan, s, j, planned) for s in taken]
             active = [m for m in members if m.runs(j)]
             if len(active) > width:
                 raise RuntimeError(f"a drafting pass of {len(active)} rows exceeds max_rows {width}")
@@ -269,15 +315,26 @@ class DraftCycle:
                 self.clock.wait(max(0, planned - 1))
                 if planned >= 2:
                     self._first_tokens(members, planned - 2, tokens, at, kept, ended)
-                late += join()  # their prompts run in the verify pass
+                queue += join()  # their prompts run in the verify pass, if it has room
         for m in members:  # cut short: each keeps what the passes run so far computed for it
             m.count = max(0, min(m.count, passes - m.start))
         ending = {id(s) for s in ended}
         done = {id(m.seq) for m in members if m.kind != "draft" and (m.count == m.left or id(m.seq) in ending)}
-        live = [s for s in plan.seqs if id(s) not in done]  # plan.seqs holds the arrivals too (Scheduler.admit)
+        # plan.seqs holds the arrivals too (Scheduler.admit); prompts not run yet join the verify pass if it has
+        # room (sampled arrivals first: the drafting passes stopped for them), the rest are computed next step
+        pending = late + queue
+        waiting = {id(s) for s in pending}
+        live = [s for s in plan.seqs if id(s) not in done and id(s) not in waiting]
         at_verify = {id(m.seq): m for m in members if m.count}
-        verify, src = [], []
-        for s in live:
+        verify, src, fits = [], [], set()
+        for s in [*live, None, *pending]:
+            if s is None:  # every other sequence's rows are in: the prompts that fit come after them
+                taken = self._fitting(pending, len(src), False, paced, self._room(len(live)))
+                live += taken
+                fits = {id(p) for p in taken}
+                continue
+            if id(s) in waiting and id(s) not in fits:
+                continue  # waits for the next step
             m = at_verify.get(id(s))
             if m is not None and m.drafts and m.count > 1:  # a prompt's [first token, d1..dm] after its prompt
                 d = m.count - 1
@@ -291,6 +348,7 @@ class DraftCycle:
             d = m.count if m is not None else 0  # a drafter: [last, d1..dm]; prompts and the rest: their plain step
             verify.append(self._work(s, [0] * d, d + 1))
             src += [-1] * (len(verify[-1].token_ids) - d) + [at(s, j) for j in range(d)]
+        self.counters.paced_prompts += len(paced)
         kind = _verify_kind(live)
         logits = self.runner.run(verify, slots, tokens=tokens, token_src=src, owned=False)
         targets = torch.argmax(logits, dim=-1)

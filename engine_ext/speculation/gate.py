@@ -191,7 +191,7 @@ class Gate:
         caps = [self._cap(s) for s in lora]
         left = [s.tokens_left(self.max_model_len) for s in lora] if batch.closed else None
         lengths = self.draft_lengths(names, caps, decoding, left, ride)
-        speculate = self.decide(names, lengths, num_base, caps, left, ride)
+        speculate = self.decide(names, lengths, num_base, caps, left, ride, prompts=len(batch.seqs) - decoding)
         self._hold, self._hold_names = (0 if speculate else self.hold_steps()), names
         self._reserve = not self._hold
         return lengths if speculate else None
@@ -372,9 +372,10 @@ class Gate:
         return (sum(gains) + num_base * (passes + 1)) / t_cycle
 
     def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None,
-               left: list[int] | None = None, ride: list[bool] | None = None) -> bool:
+               left: list[int] | None = None, ride: list[bool] | None = None, prompts: int = 0) -> bool:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);
-        False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them."""
+        False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them; `prompts`: prompts
+        in the step's batch."""
         batch, distinct = len(adapters) + num_base, len(set(adapters))
         self.last_margin = None
         if not self.cfg.gate:
@@ -403,6 +404,13 @@ class Gate:
         if spec_rate is None:
             self.count(Decision.SPECULATE_EXPLORE, "no base-only or adapter-on pass measured yet")
             return True
+        if t_plain is None and prompts:
+            # A plain step with prompts in it is not timed (`observe`), so exploring would measure nothing (under
+            # steady arrivals most steps have a prompt): the sizes measured around this one price it instead.
+            t_plain = self.times.get("plain", batch, distinct)
+            if t_plain is None:
+                self.count(Decision.SPECULATE_EXPLORE, "no plain step measured yet, and this one would not be timed")
+                return True
         if t_plain is None:
             self.count(Decision.PLAIN_EXPLORE, "plain step time at this batch not measured yet")
             return False

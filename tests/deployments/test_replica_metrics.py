@@ -12,6 +12,7 @@ def report(seq, drafted, adapters=("pub@1", "secret@1")):
     return {"seq": seq, "num_running": 2, "num_waiting": 0, "free_kv_blocks": 90, "device_adapters": 2,
             "host_adapters": 2,
             "speculative": {"cycles": 10 * seq, "plain_steps": 3, "joined": 2 * seq, "ridden_prompts": 4 * seq,
+                            "paced_prompts": 5 * seq,
                             "gate_decisions": {"speculate": 10 * seq, "plain_cost": 3}},
             "adapters": {a: {"hits": 1, "misses": 1, "loads": 1, "load_seconds": 0.1, "tokens": 40,
                              "acceptance_rate": 0.75, "drafted_tokens": drafted, "accepted_tokens": drafted // 2}
@@ -38,6 +39,7 @@ def test_timer_reports_export_speculation_per_adapter_and_replica():
     assert s[("loraserve_spec_plain_steps_total", (("replica", "r1"),))] == 3
     assert s[("loraserve_spec_joined_requests_total", (("replica", "r1"),))] == 2
     assert s[("loraserve_spec_ridden_prompts_total", (("replica", "r1"),))] == 4
+    assert s[("loraserve_spec_paced_prompts_total", (("replica", "r1"),))] == 5
     assert s[("loraserve_spec_gate_decisions_total", (("decision", "speculate"), ("replica", "r1")))] == 10
     assert not any("secret" in str(labels) for _, labels in s)  # kept out by `keep`
 

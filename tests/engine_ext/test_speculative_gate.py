@@ -176,6 +176,25 @@ def test_plain_measured_once_at_each_batch_size_as_the_batch_shrinks():
     assert gate.decisions["plain_explore"] == 1 and sum(gate.decisions.values()) == 3
 
 
+def test_no_plain_exploring_in_a_step_with_prompts():
+    """A plain step with prompts in it is not timed, so exploring plain there would measure nothing and, under
+    steady arrivals (a prompt in most steps), repeat step after step: the measured sizes around it price plain
+    instead, and with no plain step measured at all the cycle runs."""
+    gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+    gate.adapter("x").ema = 0.9
+    measure(gate, "base", 8, 0, 0.009)
+    measure(gate, "lora", 24, 1, 0.015)
+    assert gate.decide(["x"] * 8, [2] * 8, num_base=0, prompts=2)
+    assert gate.decisions["speculate_explore"] == 1 and "plain_explore" not in gate.decisions
+    measure(gate, "plain", 4, 1, 0.008)
+    measure(gate, "plain", 16, 1, 0.016)  # plain at 8 sequences lies between: 0.012 s, 667 tok/s
+    assert gate.times.get("plain", 8, 1, exact=True) is None
+    assert not gate.decide(["x"] * 8, [2] * 8, num_base=0, prompts=1)  # 21.7 tokens / 33 ms: 657 tok/s
+    assert gate.decisions["plain_cost"] == 1 and "plain_explore" not in gate.decisions
+    assert not gate.decide(["x"] * 8, [2] * 8, num_base=0)  # no prompts: one plain step measures this size
+    assert gate.decisions["plain_explore"] == 1
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("gate")

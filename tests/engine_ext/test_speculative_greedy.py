@@ -479,3 +479,59 @@ def stream(engine, prompt, params):
     while engine.has_unfinished_requests:
         outs.extend(engine.step())
     return outs
+
+
+def _paced_run(model, adapters, backend, params, prompts, limit):
+    """Request 0 decoding, then the others arriving together, on a speculating engine whose passes take prompts up
+    to `limit` tokens: (final token ids by request, (tokens, rows) of each forward after the arrivals, stats)."""
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=2, gate=False), **backend)
+    engine.generate(prompt_token_ids=[[1]] * len(ADAPTERS), sampling_params=SamplingParams(max_tokens=1),
+                    adapter_names=list(ADAPTERS))  # every adapter in a slot: the arrivals are admitted together
+    engine.cycle.pass_tokens = limit
+    sizes, run = [], engine.runner.run
+
+    def counting(work, *args, **kw):  # each forward's tokens and its rows, then the real forward
+        sizes.append((sum(len(w.token_ids) for w in work), len(work)))
+        return run(work, *args, **kw)
+
+    engine.runner.run = counting
+    engine.add_request("r0", prompt_token_ids=prompts[0], sampling_params=params[0], adapter_name=NAMES[0])
+    while not any(o.token_ids for o in engine.step()):  # it decodes: the next step is a cycle
+        pass
+    sizes.clear()
+    for i in range(1, len(prompts)):
+        engine.add_request(f"r{i}", prompt_token_ids=prompts[i], sampling_params=params[i], adapter_name=NAMES[i])
+    final = {}
+    while engine.has_unfinished_requests:
+        final |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+    assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
+    return final, sizes, engine.stats()["speculative"]
+
+
+@pytest.mark.parametrize("schedule", ["one-sync", "pass-by-pass"])
+def test_prompts_wait_for_a_pass_with_room(setup, backend, schedule):
+    """With a pass limit (the largest CUDA graph's tokens, here set small), a prompt that would push a pass past it
+    waits for the next pass with room, or for the next step when none of the cycle's passes has room (the verify
+    pass included). Prompts that the cycle's passes could not hold all run at once (as in a burst), in one pass
+    past the limit. Outputs stay plain's."""
+    model, adapters, _ = setup
+    prompts = [p * 4 for p in PROMPTS]  # 8-32 tokens each; the five arrivals 88
+    params = [PARAMS] * len(prompts)
+    if schedule == "pass-by-pass":  # a sampled request sends every cycle down the pass-by-pass path
+        params[0] = SamplingParams(max_tokens=PARAMS.max_tokens, temperature=1.0, seed=3, ignore_eos=True)
+    plain = make_engine(model, adapters, None, **backend)
+    expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                    adapter_names=NAMES)]
+    # 40 tokens: above any verify pass here (6 sequences x 3 tokens), below the arrivals together; the first
+    # pass's room and the next two passes' hold them
+    final, sizes, spec = _paced_run(model, adapters, backend, params, prompts, 40)
+    assert spec["paced_prompts"] >= 2
+    assert max(n for n, _ in sizes) <= 40
+    assert [final[f"r{i}"] for i in range(1, len(prompts))] == expected[1:]
+    if schedule == "one-sync":
+        assert final["r0"] == expected[0]
+    # 12 tokens: the passes left could not hold them: the first takes them all
+    final, sizes, spec = _paced_run(model, adapters, backend, params, prompts, 12)
+    assert spec["paced_prompts"] == 0
+    assert max(n for n, _ in sizes) >= 88
+    assert [final[f"r{i}"] for i in range(1, len(prompts))] == expected[1:]

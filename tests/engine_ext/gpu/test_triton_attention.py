@@ -74,6 +74,7 @@ def test_mixed_query_lengths_and_prefill_through_the_dispatching_reference():
     {"attn_block_n": 64, "attn_stages": 0, "attn_rows": 0},
     {"attn_block_n": 128, "attn_stages": 1, "attn_rows": 16},
     {"attn_block_n": 32, "attn_stages": 4, "attn_rows": 64},
+    {"attn_block_n": 128, "attn_stages": 2, "attn_rows": 32},  # a 5-token verify run in one tile
 ])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)])
 def test_every_launch_setting_matches_the_reference(setting, dtype, head_dim):
