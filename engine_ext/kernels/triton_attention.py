@@ -40,7 +40,10 @@ def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, str
     return k, v
 
 
-@triton.jit
+# The block-table row stride is the widest table of the forward: in an eager forward (a prefill past the graphs) any
+# width, and Triton would compile a variant for a width of 1 and one for a multiple of 16 the first time a batch has
+# one, while serving (a burst whose longest prompt fills 32 blocks did). Not specialised: one variant for every width.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, qidx_ptr, positions_ptr, T, scale,
                        window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
