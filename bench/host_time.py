@@ -1,14 +1,20 @@
 """Host time of an engine step at a full batch on the CPU: the step's wall time less its forwards' (ModelRunner.run),
 per mode (plain, forced k, gated k), with a tiny random model so the forwards stay short. This is the time a GPU
 waits for the host between a cycle's sync and its next pass (settling, emitting, scheduling, the gate's planning)
-plus the packing that a GPU overlaps with the passes before it. Prints one JSON object per mode.
+plus the packing that a GPU overlaps with the passes before it. Also the interpreter's garbage collections during
+the measured steps (count and milliseconds per generation), the slowest step, and what one full collection costs
+after them (the pause the engine thread takes whenever the interpreter runs one: rare, but it stalls every stream);
+`--gc freeze` first collects and freezes the start-up heap, as an LLM replica does once ready (AppConfig.gc_freeze).
+Prints one JSON object per mode.
 
     python bench/host_time.py --batch 128 --modes plain forced gated
+    python bench/host_time.py --modes forced --gc default freeze
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -28,6 +34,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--modes", nargs="+", default=["plain", "forced", "gated"], choices=["plain", "forced", "gated"])
+    ap.add_argument("--gc", nargs="+", default=["default"], choices=["default", "freeze"])
     args = ap.parse_args()
 
     import torch
@@ -41,7 +48,19 @@ def main() -> None:
     adapters = {f"a{i}": build_adapter(model, os.path.join(work, f"a{i}"), seed=i, r=8, target_modules=ALL, std=0.0)
                 for i in range(args.adapters)}  # std 0: every draft is accepted, every cycle runs k passes
     names = list(adapters) + [None, None]
-    for mode in args.modes:
+    collections: dict[int, list] = {}
+    began: list[float] = []
+
+    def on_gc(phase, info):  # every collection's duration, by generation
+        if phase == "start":
+            began.append(time.perf_counter())
+        elif began:
+            entry = collections.setdefault(info["generation"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - began.pop()
+
+    gc.callbacks.append(on_gc)
+    for mode, collector in [(m, c) for c in args.gc for m in args.modes]:
         engine = LLMEngine(EngineConfig(model=model, speculative=SpecConfig(num_draft_tokens=args.k), block_size=16,
                                         num_kv_blocks=8192, max_loras=args.adapters, max_num_seqs=args.batch,
                                         max_model_len=1024))
@@ -64,21 +83,38 @@ def main() -> None:
         engine.runner.run = timed
         for _ in range(8):  # prompts and the gate's first measurements
             engine.step()
+        if collector == "freeze":
+            gc.collect()
+            gc.freeze()
+        collections.clear()
+        slowest = 0.0
         forward[0], tokens0 = 0.0, engine.stats()["base"]["tokens"] + sum(
             a["tokens"] for a in engine.stats()["adapters"].values())
         start = time.perf_counter()
         for _ in range(args.steps):
+            step_start = time.perf_counter()
             engine.step()
+            slowest = max(slowest, time.perf_counter() - step_start)
         seconds = time.perf_counter() - start
+        during = {g: {"count": c, "ms": round(t * 1e3, 1)} for g, (c, t) in sorted(collections.items())}
+        full = time.perf_counter()
+        gc.collect()
+        full = time.perf_counter() - full
         stats = engine.stats()
         tokens = stats["base"]["tokens"] + sum(a["tokens"] for a in stats["adapters"].values()) - tokens0
         spec = stats.get("speculative") or {}
-        print(json.dumps({"mode": mode, "batch": args.batch, "steps": args.steps,
+        print(json.dumps({"mode": mode, "gc": collector, "tracked_objects": len(gc.get_objects()),
+                          "batch": args.batch, "steps": args.steps,
                           "host_ms_per_step": round((seconds - forward[0]) / args.steps * 1e3, 2),
                           "forward_ms_per_step": round(forward[0] / args.steps * 1e3, 2),
                           "host_us_per_token": round((seconds - forward[0]) / tokens * 1e6, 2),
+                          "slowest_step_ms": round(slowest * 1e3, 1), "full_collection_ms": round(full * 1e3, 1),
+                          "collections": during,
                           "cycle_passes": spec.get("cycle_passes"), "gate_decisions": spec.get("gate_decisions")}),
               flush=True)
+        del engine, run, timed
+        gc.unfreeze()
+        gc.collect()
 
 
 if __name__ == "__main__":

@@ -83,6 +83,11 @@ class AppConfig(BaseModel):
         "start LLM replicas' worker processes as forks of a per-node server that already imported Ray, torch, "
         "transformers and this project (deployments.warm_start): a replacement serves in seconds, not after a "
         "new process's imports; False: Ray starts each one cold"))
+    gc_freeze: bool = Field(True, description=(
+        "once an LLM replica is ready, collect garbage once and freeze what is alive (gc.freeze): the interpreter's "
+        "full collections then skip the start-up heap (imports, engine, server), which otherwise stalls the "
+        "engine thread for a quarter second at a time on a CPU VM (bench/host_time.py --gc); False: Python's "
+        "default collector"))
 
     # --- tenants, limits, control plane ----------------------------------------------
     api_keys: dict[str, str] = Field(
