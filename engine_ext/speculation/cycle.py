@@ -132,16 +132,14 @@ class DraftCycle:
         prompt tokens the passes after this one can still take (to the next step's first pass); a queue that
         outgrows this pass's room and theirs is taken whole. The ones left go into `paced` (ids)."""
         needs = [s.num_tokens - s.num_computed for s in queue]
-        if self.pass_tokens is None or sum(needs) > self.pass_tokens - used + later:
-            taken, queue[:] = list(queue), []
-            return taken
-        taken: list[Sequence] = []
-        while queue:
-            need = queue[0].num_tokens - queue[0].num_computed
-            if used + need > self.pass_tokens and not (first and not taken):
-                break
-            taken.append(queue.pop(0))
-            used += need
+        count = len(queue)
+        if self.pass_tokens is not None and sum(needs) <= self.pass_tokens - used + later:
+            for i, need in enumerate(needs):
+                if used + need > self.pass_tokens and not (first and i == 0):
+                    count = i
+                    break
+                used += need
+        taken, queue[:] = queue[:count], queue[count:]
         if paced is not None:
             paced.update(id(s) for s in queue)
         return taken
@@ -203,11 +201,11 @@ class DraftCycle:
         waiting = {id(s) for s in queue}
         live = [s for s in plan.seqs if not s.finished and id(s) not in waiting]
         work = [self._work(s, drafts.get(id(s), []), len(drafts.get(id(s), [])) + 1) for s in live]
-        late = self._fitting(queue, sum(len(w.token_ids) for w in work), False, paced,
-                             self._room(len(live)))  # the rest: next step
+        fitting = self._fitting(queue, sum(len(w.token_ids) for w in work), False, paced,
+                                self._room(len(live)))  # the rest: next step
         self.counters.paced_prompts += len(paced)
-        live += late
-        work += [self._work(s) for s in late]
+        live += fitting
+        work += [self._work(s) for s in fitting]
         kind = _verify_kind(live)
         start = time.perf_counter()
         logits = self.runner.run(work, self.slots)
@@ -326,28 +324,28 @@ class DraftCycle:
         waiting = {id(s) for s in pending}
         live = [s for s in plan.seqs if id(s) not in done and id(s) not in waiting]
         at_verify = {id(m.seq): m for m in members if m.count}
-        verify, src, fits = [], [], set()
-        for s in [*live, None, *pending]:
-            if s is None:  # every other sequence's rows are in: the prompts that fit come after them
-                taken = self._fitting(pending, len(src), False, paced, self._room(len(live)))
-                live += taken
-                fits = {id(p) for p in taken}
-                continue
-            if id(s) in waiting and id(s) not in fits:
-                continue  # waits for the next step
+        verify, src = [], []
+
+        def verified(s: Sequence) -> None:  # s's rows of the verify pass, and where their input ids come from
             m = at_verify.get(id(s))
             if m is not None and m.drafts and m.count > 1:  # a prompt's [first token, d1..dm] after its prompt
                 d = m.count - 1
                 verify.append(SeqWork([0] * (d + 1), m.base + 1, s.block_table, slots.lora_slot(s.adapter), d + 1))
-                src += [at(s, m.start + i) for i in range(d + 1)]
-                continue
-            if m is not None and m.kind != "draft":  # one more plain step, after the token of its last pass
+                src.extend(at(s, m.start + i) for i in range(d + 1))
+            elif m is not None and m.kind != "draft":  # one more plain step, after the token of its last pass
                 verify.append(self._row_work(s, m.base + m.count, 0, True))
                 src.append(at(s, m.start + m.count - 1))
-                continue
-            d = m.count if m is not None else 0  # a drafter: [last, d1..dm]; prompts and the rest: their plain step
-            verify.append(self._work(s, [0] * d, d + 1))
-            src += [-1] * (len(verify[-1].token_ids) - d) + [at(s, j) for j in range(d)]
+            else:  # a drafter: [last, d1..dm]; prompts and the rest: their plain step
+                d = m.count if m is not None else 0
+                verify.append(self._work(s, [0] * d, d + 1))
+                src.extend([-1] * (len(verify[-1].token_ids) - d) + [at(s, j) for j in range(d)])
+
+        for s in live:
+            verified(s)
+        fitting = self._fitting(pending, len(src), False, paced, self._room(len(live)))  # the rest: next step
+        for s in fitting:
+            verified(s)
+        live += fitting
         self.counters.paced_prompts += len(paced)
         kind = _verify_kind(live)
         logits = self.runner.run(verify, slots, tokens=tokens, token_src=src, owned=False)
