@@ -56,10 +56,10 @@ class AsyncLLMEngine:
                 logger.exception("engine step failed")
                 self._fail_all(e)
                 continue
-            for out in outs:
-                self._deliver(out.request_id, out)
+            self._publish(outs)
 
     def _publish(self, outs) -> None:
+        """Hand outputs to their streams: a step's, and first tokens published during one (LLMEngine.publish)."""
         for out in outs:
             self._deliver(out.request_id, out)
 

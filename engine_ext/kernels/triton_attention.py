@@ -44,8 +44,9 @@ def _load_kv(k_ptr, v_ptr, tables_ptr, seq, stride_bt, start, hi, stride_kb, str
 # width, and Triton would compile a variant for a width of 1 and one for a multiple of 16 the first time a batch has
 # one, while serving (a burst whose longest prompt fills 32 blocks did). Not specialised: one variant for every width.
 @triton.jit(do_not_specialize=["stride_bt"])
-def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, qidx_ptr, positions_ptr, T, scale,
-                       window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_seq_ptr, qidx_ptr, positions_ptr, T,
+                       scale, window, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot,
+                       stride_oh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
                        PDL: tl.constexpr):
@@ -56,7 +57,7 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ml_ptr, tables_ptr, token_s
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
     if tl.load(qidx_ptr + t) % BLOCK_Q == 0:  # t leads a run of its sequence's query tokens
         # Tile rows: BLOCK_Q query tokens x GROUP_PAD heads sharing KV head kvh; row r = (r // GROUP_PAD, r % GROUP_PAD).
-        # A sequence's query tokens are consecutive, so the run is the tokens after t of t's sequence.
+        # A sequence's query tokens are consecutive: the run is the tokens after t of t's sequence.
         rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
         tok = t + rows // GROUP_PAD
         head = kvh * GROUP + rows % GROUP_PAD

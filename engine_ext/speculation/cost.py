@@ -2,8 +2,8 @@
 
 Pass kinds: "plain" (a whole plain engine step, host work included), "base" (one LoRA-off drafting pass),
 "lora" (one adapter-on verify pass), "prompted" (a drafting or verify pass that also ran prompts: the gate does
-not record it) and "overhead" (the rest of a cycle's engine step: host work not hidden behind the device, paid once per cycle
-whatever its length)."""
+not record it) and "overhead" (the rest of a cycle's engine step: host work not hidden behind the device, paid
+once per cycle whatever its length)."""
 
 from __future__ import annotations
 

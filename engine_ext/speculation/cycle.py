@@ -270,7 +270,7 @@ class DraftCycle:
             if j and join is not None:
                 self.clock.wait(j - 1)  # pass j - 2 done: pass j - 1 keeps the device busy meanwhile
                 if j >= 2:
-                    self._first_tokens(members, j - 2, tokens, at, kept, ended)
+                    self._first_tokens(members, j - 2, tokens, at, rows, kept, ended)
                 for s in join():
                     (queue if s.params.greedy else late).append(s)
                 if late:  # a sampled arrival: drafting stops here, its prompt runs in the verify pass
@@ -312,7 +312,7 @@ class DraftCycle:
             if join is not None:
                 self.clock.wait(max(0, planned - 1))
                 if planned >= 2:
-                    self._first_tokens(members, planned - 2, tokens, at, kept, ended)
+                    self._first_tokens(members, planned - 2, tokens, at, rows, kept, ended)
                 queue += join()  # their prompts run in the verify pass, if it has room
         for m in members:  # cut short: each keeps what the passes run so far computed for it
             m.count = max(0, min(m.count, passes - m.start))
@@ -352,7 +352,7 @@ class DraftCycle:
         targets = torch.argmax(logits, dim=-1)
         self.clock.mark()
         if passes:  # first tokens of the last drafting pass, before the verify pass ends
-            self._first_tokens(members, passes - 1, tokens, at, kept, ended)
+            self._first_tokens(members, passes - 1, tokens, at, rows, kept, ended)
         host = torch.cat([tokens[: passes * width], targets]).tolist()  # the cycle's one host sync
         spans = self.clock.spans()
 
@@ -385,8 +385,8 @@ class DraftCycle:
             return _Member(s, "prompt", j, 1 + drafts, s.num_tokens - 1, left, drafts=True)
         return _Member(s, "prompt", j, min(planned - j, left), s.num_tokens - 1, left)
 
-    def _first_tokens(self, members: list[_Member], j: int, tokens: torch.Tensor, at, kept: list,
-                      ended: list[Sequence]) -> None:
+    def _first_tokens(self, members: list[_Member], j: int, tokens: torch.Tensor, at, rows: list[dict[int, int]],
+                      kept: list, ended: list[Sequence]) -> None:
         """Commit and publish the first token of each prompt computed in pass j, which the device has run (passes
         queued after it may still be running: the read waits for pass j alone)."""
         firsts = [m for m in members if m.kind == "prompt" and m.start == j and m.count and not m.published]
@@ -397,7 +397,7 @@ class DraftCycle:
         for m, token in zip(firsts, values):
             s, m.published = m.seq, True
             s.num_computed = s.num_tokens
-            row = kept[j][at(s, j) - j * self.max_rows] if s.params.return_logits else None
+            row = kept[j][rows[j][id(s)]] if s.params.return_logits else None
             if self.commit(s, token, row, False):
                 ended.append(s)  # finished on its first token: back to the scheduler after the sync
             else:
