@@ -4,7 +4,7 @@ speculative LoRA-off drafting."""
 from .async_engine import AsyncLLMEngine
 from .config import EngineConfig, SpecConfig
 from .kernels import KernelSettings
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, StepContext
 from .lora_adapter import AdapterError
 from .model_config import ModelLoadError
 from .sampling_params import SamplingParams
@@ -20,4 +20,5 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpecConfig",
+    "StepContext",
 ]

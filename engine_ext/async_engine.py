@@ -10,7 +10,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from .config import EngineConfig
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, StepContext
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
@@ -23,10 +23,10 @@ class AsyncLLMEngine:
         self.engine = engine or LLMEngine(config)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # New requests apart from other commands: a speculative cycle takes them in between its passes
-        # (LLMEngine.intake); aborts and the rest wait for the step to end.
+        # (StepContext.arrivals); aborts and the rest wait for the step to end.
         self._arrivals: queue.SimpleQueue = queue.SimpleQueue()
-        self.engine.intake = self._take_arrivals
-        self.engine.publish = self._publish  # first tokens computed in a cycle's drafting pass, before it ends
+        # First tokens computed in a cycle's drafting pass go out before the step ends (StepContext.publish)
+        self._context = StepContext(arrivals=self._take_arrivals, publish=self._publish)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -51,7 +51,7 @@ class AsyncLLMEngine:
                 continue
             try:
                 with self._lock:
-                    outs = self.engine.step()
+                    outs = self.engine.step(self._context)
             except Exception as e:  # never die silently: fail every open stream, keep the loop alive
                 logger.exception("engine step failed")
                 self._fail_all(e)
@@ -59,7 +59,7 @@ class AsyncLLMEngine:
             self._publish(outs)
 
     def _publish(self, outs) -> None:
-        """Hand outputs to their streams: a step's, and first tokens published during one (LLMEngine.publish)."""
+        """Hand outputs to their streams: a step's, and first tokens published during one (StepContext.publish)."""
         for out in outs:
             self._deliver(out.request_id, out)
 

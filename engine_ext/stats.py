@@ -49,20 +49,18 @@ class AdapterStats(UsageStats):
 class SpecStats:
     num_draft_tokens: int
     cycles: int = 0
-    greedy_cycles: int = 0  # cycles that took the one-sync path
     plain_steps: int = 0
     draft_passes: int = 0
     cycle_passes: Counter[int] = field(default_factory=Counter)  # cycles by their number of drafting passes
     gate_decisions: Counter[str] = field(default_factory=Counter)
     joined: int = 0  # requests that arrived during a cycle and joined it
-    cut_cycles: int = 0  # cycles whose drafting stopped early for one (a sampled arrival in a one-sync cycle)
     ridden_prompts: int = 0  # prompts computed in a drafting pass (their first token published before the verify)
     paced_prompts: int = 0  # prompts that waited for a later pass (or step) with room in the largest CUDA graph
 
     def snapshot(self) -> dict:
-        return {"cycles": self.cycles, "greedy_cycles": self.greedy_cycles, "plain_steps": self.plain_steps,
+        return {"cycles": self.cycles, "plain_steps": self.plain_steps,
                 "draft_passes": self.draft_passes, "cycle_passes": dict(sorted(self.cycle_passes.items())),
-                "joined": self.joined, "cut_cycles": self.cut_cycles, "ridden_prompts": self.ridden_prompts,
+                "joined": self.joined, "ridden_prompts": self.ridden_prompts,
                 "paced_prompts": self.paced_prompts,
                 "gate_decisions": dict(self.gate_decisions), "num_draft_tokens": self.num_draft_tokens}
 
