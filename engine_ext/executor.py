@@ -101,11 +101,10 @@ class StepExecutor:
         logits, positions = self.runner.launch(
             work, self.slots, use_lora=on, tokens=run.buf, token_src=src, owned=False,
             shifts=run.carry.shift if run.carry is not None else None)
-        logits = adjust_logits(logits, params, history)
-        tokens = sample(logits, SamplingRows.pack(params, seeds, self.device), positions + 1)
-        n = len(params)
-        run.buf[run.c + fwd.out : run.c + fwd.out + n] = tokens
-        self._keep(fwd, run, logits)
+        self._keep(fwd, run, logits)  # raw rows: logprobs and returned logits are the model's, before adjustments
+        adjusted = adjust_logits(logits, params, history)
+        tokens = sample(adjusted, SamplingRows.pack(params, seeds, self.device), positions + 1)
+        run.buf[run.c + fwd.out : run.c + fwd.out + len(params)] = tokens
         run.marks.append(self._mark())
         kind = "prompted" if any(e.prompt for e in fwd.entries) else ("lora" if fwd is plan.verify else "base")
         read = {run.seqs[e.row].adapter for e in fwd.entries if e.lora} - {None}

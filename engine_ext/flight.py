@@ -32,7 +32,7 @@ class Flight:
     passes: list[tuple[str, int, int]]  # per drafting and verify pass: (kind, tokens, adapters it reads)
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # token buffer index -> its logits row (float32)
     published: list[int] = field(default_factory=list)  # per row: leading tokens already committed (first tokens)
-    launched: float = field(default_factory=time.perf_counter)
+    launched: float = field(default_factory=time.perf_counter)  # when the engine began to schedule it
     drafts: list[int] = field(default_factory=list)  # per row: tokens it drafted (for the acceptance estimates)
 
     def pending(self, r: int) -> tuple[int, int]:

@@ -166,13 +166,17 @@ class LLMEngine:
         return outputs + self._emit([])
 
     def _launch(self, ctx: StepContext) -> tuple[Flight | None, Plan | None]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
         if batch.empty:
             return None, None
         plan = self.gate.plan(batch)
-        step = Step(plan.seqs, rows_for(plan, self.max_model_len), plan.passes,
-                    join=self._joiner(batch, plan, ctx), first=lambda seqs, tokens, rows: self._first(ctx, seqs, tokens, rows))
+        # first tokens drawn in a drafting pass are read early only for a loop that takes them (StepContext.publish)
+        first = None if ctx.publish is None else lambda seqs, tokens, rows: self._first(ctx, seqs, tokens, rows)
+        step = Step(plan.seqs, rows_for(plan, self.max_model_len), plan.passes, join=self._joiner(batch, plan, ctx),
+                    first=first)
         flight = self.executor.launch(step, self._flight)
+        flight.launched = start  # its time runs from its scheduling to the next step's
         self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
         return flight, plan
 
@@ -199,7 +203,7 @@ class LLMEngine:
                 self.counters.usage(seq.adapter).tokens += 1
                 if not self.outputs.append(seq, token, row):
                     live.append(seq)
-        if live and ctx.publish is not None:
+        if live:
             ctx.publish([self.outputs.output(s, False) for s in live])
 
     def _read(self, ctx: StepContext, queued: Flight | None) -> list[RequestOutput]:
@@ -209,7 +213,9 @@ class LLMEngine:
         if flight is None:
             return []
         self._flight = self._flight_plan = None
+        wait = time.perf_counter()
         tokens, counts = flight.read()
+        self.counters.device_wait_s += time.perf_counter() - wait
         touched, verifies = [], []
         for r, seq in enumerate(flight.seqs):
             if seq.flight is flight:
@@ -221,11 +227,14 @@ class LLMEngine:
                 continue
             self._commit_run(seq, tokens[r, done:n].tolist(), flight.logits_rows(r, done, n - done))
             touched.append(seq)
+        outputs = self._emit(touched)
+        # A step's time runs from its scheduling to the next one's (what the loop spends per step), or, for the last
+        # before the engine runs dry, to the end of its reading.
         seconds = (queued.launched if queued is not None else time.perf_counter()) - flight.launched
         kinds = flight.passes if flight.speculative else []
         result = StepResult([(k, t, a, span) for (k, t, a), span in zip(kinds, flight.spans())], verifies)
         self.gate.observe(plan, result, seconds)
-        return self._emit(touched)
+        return outputs
 
     def _commit_run(self, seq: Sequence, tokens: list[int], rows: list) -> None:
         """Commit a row's tokens in order, up to where the sequence ends; then hand it back to the scheduler if it

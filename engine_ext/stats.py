@@ -71,6 +71,7 @@ class EngineStats:
     adapters: dict[str, AdapterStats] = field(default_factory=dict)
     spec: SpecStats | None = None  # None: speculation off
     steps: int = 0
+    device_wait_s: float = 0.0  # host time spent waiting for the device to finish a step it reads
 
     def adapter(self, name: str) -> AdapterStats:
         stats = self.adapters.get(name)
@@ -89,7 +90,8 @@ class EngineStats:
             if self.spec is not None:
                 entry |= a.speculative() | {"acceptance_ema": (acceptance_estimates or {}).get(name)}
             adapters[name] = entry
-        out = {"num_steps": self.steps, "base": {"requests": self.base.requests, "tokens": self.base.tokens},
+        out = {"num_steps": self.steps, "device_wait_s": self.device_wait_s,
+               "base": {"requests": self.base.requests, "tokens": self.base.tokens},
                "adapters": adapters}
         if self.spec is not None:
             out["speculative"] = self.spec.snapshot()

@@ -200,9 +200,10 @@ class Gate:
         return lengths if speculate else None
 
     def observe(self, plan: Plan, result: StepResult, seconds: float) -> None:
-        """After the step (`seconds`: its whole wall time): per-adapter acceptance from the verify pass, and pass
-        times: each measured pass, then the rest of a cycle's step as its overhead, or a decode-only plain step
-        at its whole time (a step with prompts in it prices no plain decoding)."""
+        """After the step is read (`seconds`: its whole time, from its scheduling to the next step's):
+        per-adapter acceptance from the verify pass, and pass times: each measured pass, then the rest of a cycle's
+        step as its overhead, or a decode-only plain step at its whole time (a step with prompts in it prices no
+        plain decoding)."""
         for name, drafted, accepted in result.verifies:
             self.adapter(name).observe(drafted, accepted, self.cfg.acceptance_ema)
             self.stats.adapter(name).observe_verify(drafted, accepted)
