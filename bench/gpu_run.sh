@@ -68,7 +68,7 @@ for step in $STEPS; do
           name="busy-$shape-$(basename "$(cd "$tree" && pwd)")"
           timeout ${BUSY_TIMEOUT:-300} python3 bench/gpu_busy.py --tree "$tree" --out "$OUT/$name.json" -- \
             --shape "$shape" --rank ${BUSY_RANK:-16} --mix ${BUSY_MIX:-near} --modes ${BUSY_MODES:-base plain gated forced} \
-            --runs ${BUSY_RUNS:-burst} --requests ${BUSY_REQUESTS:-300} --warmup ${BUSY_WARMUP:-50} \
+            --runs ${BUSY_RUNS:-burst burst} --requests ${BUSY_REQUESTS:-300} --warmup ${BUSY_WARMUP:-50} \
             2>"$OUT/$name.log" >/dev/null
           echo "$name rc $?"; grep '^busy\|^compare\|crash\|Error' "$OUT/$name.log" | tail -12
           pack

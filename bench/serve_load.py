@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -332,6 +333,8 @@ def main() -> None:
     engine = LLMEngine(cfg)
     for n, p in adapters.items():
         engine.add_adapter(n, p)
+    gc.collect()
+    gc.freeze()  # as an LLM replica does once ready (AppConfig.gc_freeze): no full collection walks the start-up heap
     ready_entries = _cache_entries(args.compile_cache)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)

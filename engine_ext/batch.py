@@ -11,7 +11,7 @@ import torch
 from .attention import AttnMetadata
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqWork:
     """One sequence's share of a forward: compute positions [start, start + len(token_ids))."""
 

@@ -8,6 +8,7 @@ The one exception is a prompt's first token drawn in a drafting pass: it is read
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from .flight import Flight
 from .sampler import SamplingRows, adjust_logits, sample
 from .sequence import Sequence
 from .speculation.plan import Entry, Forward, Planner, Row, StepPlan
-from .speculation.verify import accepted_lengths
+from .speculation import verify
 from .stats import SpecStats
 
 
@@ -55,6 +56,8 @@ class StepExecutor:
     def launch(self, step: Step, carry: Flight | None) -> Flight:
         """Queue the step; `carry`: the step before it, queued and not read, whose rows' last tokens and shifts the
         rows it shares with this one start from."""
+        if not step.passes:
+            return self._plain(step.seqs, carry)
         planner = Planner(step.passes, self.width, self.pass_tokens if step.passes else None)
         planner.add(step.rows)
         seqs = list(step.seqs)
@@ -85,6 +88,42 @@ class StepExecutor:
         c.paced_prompts += len(plan.paced)
 
     # ------------------------------------------------------------ forwards
+    def _plain(self, seqs: list[Sequence], carry: Flight | None) -> Flight:
+        """A plain step: every row in one adapter-on forward, one token each (its plan is trivial: row r's one entry
+        draws buffer index r, from its last token or its prompt), so its work is built straight from the rows."""
+        work, src, params, seeds = [], [], [], []
+        lora_slot, shifts = self.slots.lora_slot, carry.shift if carry is not None else None
+        for seq in seqs:
+            slot = lora_slot(seq.adapter)
+            if seq.is_prefill:
+                w = seq.work(slot)
+                src += [-1] * len(w.token_ids)
+                seq.num_computed = seq.num_tokens  # queued: its prompt's KV is written before any later read
+            elif carry is not None and seq.flight is carry:
+                row, (lo, hi) = seq.flight_row, seq.pending
+                src.append(row)
+                w = SeqWork([0], seq.num_tokens - 1 + lo, seq.block_table, slot, 1,
+                            row if shifts is not None else -1, hi - lo)
+            else:
+                src.append(-1)
+                w = SeqWork([seq.last_token], seq.num_tokens - 1, seq.block_table, slot)
+            work.append(w)
+            params.append(seq.params)
+            seeds.append(seq.seed)
+        marks = [self._mark()]
+        logits, positions = self.runner.launch(
+            work, self.slots, use_lora=any(s.adapter is not None for s in seqs), owned=False, shifts=shifts,
+            tokens=carry.last if carry is not None else None, token_src=src if carry is not None else None)
+        kept = {r: logits[r].float().clone() for r, s in enumerate(seqs) if s.params.needs_rows}
+        tokens = sample(adjust_logits(logits, params, seqs), SamplingRows.pack(params, seeds, self.device),
+                        positions + 1)
+        marks.append(self._mark())
+        host, ready = self._to_host(tokens)
+        n = len(seqs)
+        ones = [1] * n
+        return self._rows(Flight(list(seqs), None, ones, ones, tokens, None, host[:, None], ready, marks, [], kept,
+                                 [0] * n, commits=[[r] for r in range(n)], counted=False))
+
     def _forward(self, fwd: Forward, run: _Run, plan: StepPlan) -> None:
         """Queue one forward and draw its logits rows into the buffer at fwd.out."""
         work, src, params, seeds, history = [], [], [], [], []
@@ -193,26 +232,35 @@ class StepExecutor:
             lanes = lanes.pin_memory().to(self.device, non_blocking=True)
         order, draft, target, fixed, verified = lanes
         tokens = run.buf[order.clamp_min(0)]
-        accepted = accepted_lengths(run.buf[draft.clamp_min(0)], run.buf[target.clamp_min(0)], draft >= 0)
+        accepted = verify.accepted_lengths(run.buf[draft.clamp_min(0)], run.buf[target.clamp_min(0)], draft >= 0)
         verifies = verified[:, 0] > 0
         counts = fixed[:, 0] + verifies * (accepted + 1)
         last = tokens.gather(1, (counts - 1).clamp_min(0)[:, None])[:, 0]
-        lo = [len(f) + (len(v) > 0) for f, v in zip(plan.fixed, plan.verified)]
         shift = verifies * accepted if layout.drafts else None  # committed beyond lo: the accepted drafts
-        result = torch.cat([tokens, counts[:, None]], dim=1)
-        host, ready = result, None
-        if self.cuda:
-            host = torch.empty(result.shape, dtype=torch.long, pin_memory=True)
-            host.copy_(result, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        flight = Flight(run.seqs, plan, lo, [len(f) + len(v) for f, v in zip(plan.fixed, plan.verified)], last,
-                        shift, host, ready, run.marks, run.passes, run.kept,
-                        [int(r in run.published) for r in range(len(plan.rows))],
-                        drafts=[len(d) for d in plan.drafts])
-        for r, seq in enumerate(run.seqs):
-            if lo[r]:
+        host, ready = self._to_host(torch.cat([tokens, counts[:, None]], dim=1))
+        commits = [f + v for f, v in zip(plan.fixed, plan.verified)]
+        lo = [len(f) + (len(v) > 0) for f, v in zip(plan.fixed, plan.verified)]
+        return self._rows(Flight(run.seqs, plan, lo, [len(o) for o in commits], last, shift, host, ready, run.marks,
+                                 run.passes, run.kept, [int(r in run.published) for r in range(len(run.seqs))],
+                                 drafts=[len(d) for d in plan.drafts], commits=commits))
+
+    def _to_host(self, result: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A host copy of `result` (pinned, queued after everything before it) and the event that says it landed."""
+        if not self.cuda:
+            return result, None
+        host = torch.empty(result.shape, dtype=torch.long, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    @staticmethod
+    def _rows(flight: Flight) -> Flight:
+        """Mark every row's sequence as held by this flight (the next step starts from where it leaves them)."""
+        for r, seq in enumerate(flight.seqs):
+            if flight.lo[r]:
                 seq.flight, seq.flight_row = flight, r
+                seq.pending = flight.pending(r)
         return flight
 
 
@@ -244,13 +292,24 @@ class _Layout:
     @classmethod
     def of(cls, plan: StepPlan, offset: int) -> _Layout:
         rows = len(plan.rows)
+        commits = [f + v for f, v in zip(plan.fixed, plan.verified)]
         k = max((len(d) for d in plan.drafts), default=0)
-        width = max([1, k] + [len(f) + len(v) for f, v in zip(plan.fixed, plan.verified)])
+        width = max([1, k] + [len(c) for c in commits])
         table = np.full((5, rows, width), -1, dtype=np.int64)
-        for r in range(rows):
-            f, v, d = plan.fixed[r], plan.verified[r], plan.drafts[r]
-            table[0, r, : len(f) + len(v)] = np.add(f + v, offset)
-            table[1, r, : len(d)] = np.add(d, offset)
-            table[2, r, : len(d)] = np.add(v[: len(d)], offset)
-            table[3, r, 0], table[4, r, 0] = len(f), len(v)
+        _scatter(table[0], commits, offset)
+        _scatter(table[1], plan.drafts, offset)
+        _scatter(table[2], [v[: len(d)] for v, d in zip(plan.verified, plan.drafts)], offset)
+        table[3, :, 0] = [len(f) for f in plan.fixed]
+        table[4, :, 0] = [len(v) for v in plan.verified]
         return cls(table, k)
+
+
+def _scatter(lane: np.ndarray, lists: list[list[int]], offset: int) -> None:
+    """lane[r, :len(lists[r])] = lists[r] + offset, for every r, in a few array operations."""
+    lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    total = int(lens.sum())
+    if not total:
+        return
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total)
+    row = np.repeat(np.arange(len(lists)), lens)
+    lane[row, np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)] = flat + offset

@@ -153,28 +153,32 @@ class LLMEngine:
     def step(self, ctx: StepContext | None = None) -> list[RequestOutput]:
         """Queue the next step, then read the one queued before it; returns the outputs reading it gave, and those
         of requests that ended otherwise (aborts). A step whose tokens are drawn from the host's history
-        (penalties) is read before the next one is planned."""
+        (penalties) is read before the next one is planned, and so is one whose sequences' room for the most it can
+        commit is not free (the scheduler says so)."""
         ctx = ctx or StepContext()
+        start = time.perf_counter()
         self._fail_orphans()
         outputs = []
         if self._flight is not None and any(s.params.adjusts_logits and not s.ended for s in self._flight.seqs):
             outputs = self._read(ctx, None)
-        flight, plan = self._launch(ctx)
+        batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
+        if batch.wait:  # memory is short for the queued step's most: read it first
+            outputs += self._read(ctx, None)
+            batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
+        flight, plan = self._launch(ctx, batch, start)
         outputs += self._read(ctx, flight)
         self._flight, self._flight_plan = flight, plan
         self.counters.steps += flight is not None
         return outputs + self._emit([])
 
-    def _launch(self, ctx: StepContext) -> tuple[Flight | None, Plan | None]:
-        start = time.perf_counter()
-        batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
+    def _launch(self, ctx: StepContext, batch: ScheduledBatch, start: float) -> tuple[Flight | None, Plan | None]:
         if batch.empty:
             return None, None
         plan = self.gate.plan(batch)
         # first tokens drawn in a drafting pass are read early only for a loop that takes them (StepContext.publish)
         first = None if ctx.publish is None else lambda seqs, tokens, rows: self._first(ctx, seqs, tokens, rows)
-        step = Step(plan.seqs, rows_for(plan, self.max_model_len), plan.passes, join=self._joiner(batch, plan, ctx),
-                    first=first)
+        rows = rows_for(plan, self.max_model_len) if plan.passes else []
+        step = Step(plan.seqs, rows, plan.passes, join=self._joiner(batch, plan, ctx), first=first)
         flight = self.executor.launch(step, self._flight)
         flight.launched = start  # its time runs from its scheduling to the next step's
         self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
@@ -217,15 +221,16 @@ class LLMEngine:
         tokens, counts = flight.read()
         self.counters.device_wait_s += time.perf_counter() - wait
         touched, verifies = [], []
+        rows, counts = tokens.tolist(), counts.tolist()
         for r, seq in enumerate(flight.seqs):
             if seq.flight is flight:
-                seq.flight, seq.flight_row = None, -1
-            n, done = int(counts[r]), flight.published[r]
-            if flight.drafts[r] and n:
+                seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
+            n, done = counts[r], flight.published[r]
+            if flight.drafts is not None and flight.drafts[r] and n:
                 verifies.append((seq.adapter, flight.drafts[r], n - flight.lo[r]))
             if seq.finished or not n:
                 continue
-            self._commit_run(seq, tokens[r, done:n].tolist(), flight.logits_rows(r, done, n - done))
+            self._commit_run(seq, rows[r][done:n], flight.logits_rows(r, done, n - done) if flight.kept else None)
             touched.append(seq)
         outputs = self._emit(touched)
         # A step's time runs from its scheduling to the next one's (what the loop spends per step), or, for the last
@@ -236,14 +241,15 @@ class LLMEngine:
         self.gate.observe(plan, result, seconds)
         return outputs
 
-    def _commit_run(self, seq: Sequence, tokens: list[int], rows: list) -> None:
+    def _commit_run(self, seq: Sequence, tokens: list[int], rows: list | None) -> None:
         """Commit a row's tokens in order, up to where the sequence ends; then hand it back to the scheduler if it
-        ended, or else mark its KV final up to its last token and give back drafting room nothing will write."""
-        for token, row in zip(tokens, rows):
-            if seq.ended:
+        ended, or else mark its KV final up to its last token and give back drafting room nothing will write.
+        rows: each token's logits row, where kept (None: none kept)."""
+        usage = self.counters.usage(seq.adapter)
+        for i, token in enumerate(tokens if not seq.ended else ()):  # (one that ended on an early first token)
+            usage.tokens += 1
+            if self.outputs.append(seq, token, None if rows is None else rows[i]):
                 break
-            self.counters.usage(seq.adapter).tokens += 1
-            self.outputs.append(seq, token, row)
         if seq.ended:
             self.scheduler.finish(seq)
         elif seq.status is SeqStatus.RUNNING:

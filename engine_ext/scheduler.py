@@ -17,6 +17,9 @@ class ScheduledBatch:
     lookahead: int = 0  # drafting positions reserved past each sequence's tokens
     closed: bool = False  # nothing was left waiting: no request can join this batch
     budget: int = 0  # batched tokens left for prompts that join it (Scheduler.admit)
+    # The room a queued step's most would take is not free: read that step first, then schedule again (its
+    # sequences then need room only for what they have), rather than preempt a sequence for room it may not use
+    wait: bool = False
 
     @property
     def empty(self) -> bool:
@@ -103,13 +106,21 @@ class Scheduler:
         waits for that step to be read."""
         batch = ScheduledBatch(lookahead=lookahead)
         preempted_before = self.num_preemptions
-        for seq in sorted(self.running.values(), key=lambda s: s.arrival):
-            if seq.status is SeqStatus.RUNNING and self._steps(seq, max_model_len):
-                self.ensure_room(seq, seq.num_tokens + seq.pending[1] + lookahead)
+        stepping = sorted((s for s in self.running.values() if self._steps(s, max_model_len)),
+                          key=lambda s: s.arrival)
+        size = self.blocks.block_size
+        needs = [seq.num_tokens + seq.pending[1] + lookahead for seq in stepping]
+        short = sum(max(0, -(-n // size) - len(s.block_table)) for s, n in zip(stepping, needs)) > self.blocks.num_free
+        if short and any(s.pending[1] for s in stepping):
+            batch.wait = True
+            return batch
+        for seq, need in zip(stepping, needs):
+            if seq.status is SeqStatus.RUNNING and -(-need // size) > len(seq.block_table):
+                self.ensure_room(seq, need)
         # Grouped by adapter (arrival order within one): the LoRA kernels multiply a run of tokens sharing an
         # adapter as one tile, so a grouped batch reads each adapter's weights once per run rather than once per
         # token (5-9% of a 128-sequence step at the 1B shape, bench/RESULTS.md section 1).
-        batch.seqs = sorted((s for s in self.running.values() if self._steps(s, max_model_len)),
+        batch.seqs = sorted((s for s in stepping if s.status is SeqStatus.RUNNING),
                             key=lambda s: (s.adapter or "", s.arrival))
         batch.num_preempted = self.num_preemptions - preempted_before
         if batch.num_preempted:

@@ -53,10 +53,11 @@ class Sequence:
     # A sequence with the same prompt and adapter (another sample of one request) whose prompt KV blocks this
     # one takes over at admission instead of computing them again (Scheduler._share_prompt).
     prompt_source: Sequence | None = field(default=None, repr=False)
-    # The step queued on the device that holds it and has not been read (engine_ext.flight.Flight), and its row
-    # there: that step commits between flight.lo[row] and flight.hi[row] tokens for it.
+    # The step queued on the device that holds it and has not been read (engine_ext.flight.Flight), its row there,
+    # and (at least, at most) the tokens that step commits for it once read ((0, 0): none queued)
     flight: Any = field(default=None, repr=False)
     flight_row: int = -1
+    pending: tuple[int, int] = (0, 0)
 
     @property
     def token_ids(self) -> list[int]:
@@ -74,11 +75,6 @@ class Sequence:
     def ended(self) -> bool:
         """It ended (finished, or ended on a token read while a step queued after it still writes its blocks)."""
         return self.finish_reason is not None
-
-    @property
-    def pending(self) -> tuple[int, int]:
-        """(at least, at most) the tokens the step queued for it commits, once read ((0, 0): none queued)."""
-        return (0, 0) if self.flight is None else self.flight.pending(self.flight_row)
 
     @property
     def last_token(self) -> int:

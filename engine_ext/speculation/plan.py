@@ -35,7 +35,7 @@ class Kind(enum.IntEnum):
     PROMPT = 3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Row:
     kind: Kind
     drafts: int = 0  # DRAFT: m >= 1; PROMPT: drafts after its first token (0: it rides, or with ride=False waits)
@@ -44,7 +44,7 @@ class Row:
     late: bool = False  # PROMPT: runs in the verify pass only (its tokens need the host's history to be drawn)
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One row's part of a forward: tokens at positions base + offset, base + offset + 1, ... (base: the position
     of the row's last known token; a prompt's entry is its prompt, offset 0)."""
@@ -89,7 +89,7 @@ class StepPlan:
         return self.forwards[self.passes] if len(self.forwards) > self.passes else None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Track:
     """A row's state while passes are planned: where its next input comes from and what it does next."""
 
