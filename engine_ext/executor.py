@@ -115,8 +115,8 @@ class StepExecutor:
             work, self.slots, use_lora=any(s.adapter is not None for s in seqs), owned=False, shifts=shifts,
             tokens=carry.last if carry is not None else None, token_src=src if carry is not None else None)
         kept = {r: logits[r].float().clone() for r, s in enumerate(seqs) if s.params.needs_rows}
-        tokens = sample(adjust_logits(logits, params, seqs), SamplingRows.pack(params, seeds, self.device),
-                        positions + 1)
+        rows = SamplingRows.pack(params, seeds, self.device)
+        tokens = sample(adjust_logits(logits, params, seqs), rows, None if rows is None else positions + 1)
         marks.append(self._mark())
         host, ready = self._to_host(tokens)
         n = len(seqs)
@@ -141,8 +141,8 @@ class StepExecutor:
             work, self.slots, use_lora=on, tokens=run.buf, token_src=src, owned=False,
             shifts=run.carry.shift if run.carry is not None else None)
         self._keep(fwd, run, logits)  # raw rows: logprobs and returned logits are the model's, before adjustments
-        adjusted = adjust_logits(logits, params, history)
-        tokens = sample(adjusted, SamplingRows.pack(params, seeds, self.device), positions + 1)
+        rows = SamplingRows.pack(params, seeds, self.device)
+        tokens = sample(adjust_logits(logits, params, history), rows, None if rows is None else positions + 1)
         run.buf[run.c + fwd.out : run.c + fwd.out + len(params)] = tokens
         run.marks.append(self._mark())
         kind = "prompted" if any(e.prompt for e in fwd.entries) else ("lora" if fwd is plan.verify else "base")
