@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-KEYS = {"sk-test-acme-0001": "acme", "sk-test-globex-01": "globex", "sk-test-limited-1": "limited"}
-ADMIN = "test-admin-token-123"
+# The development defaults are there too (DEFAULT_API_KEY -> "default", DEFAULT_ADMIN_TOKEN), so a page that
+# uses them (docs/operator.md) runs against this app as printed.
+KEYS = {"sk-test-acme-0001": "acme", "sk-test-globex-01": "globex", "sk-test-limited-1": "limited",
+        "sk-loraserve-dev": "default"}
+ADMIN = "loraserve-admin-dev"
+UPLOAD_LIMIT = 64 * 2**20  # the registry's max_file_bytes here: the upload limit
 AFFINITY_ADAPTERS = [f"aff-{i:02d}" for i in range(20)]
 APP_NAME = "loraserve"
 
@@ -108,7 +112,10 @@ def _start() -> ServeApp:
         "blob_dir": str(root / "blobs"),
         "materialize_dir": str(root / "materialized"),
         "allowed_local_roots": [str(incoming)],
+        "upload_dir": str(root / "uploads"),
         "poll_interval_s": 0.2,
+        "max_file_bytes": UPLOAD_LIMIT,
+        "max_lora_rank": 1024,  # registration only (the engine's is 64): a 50 MB adapter of the demo's shapes
     }
     args = {
         "demo_recipe": "quick",  # the demo's code path at test size

@@ -79,7 +79,7 @@ def test_engine_fields_from_yaml_env_and_args_merge_field_by_field(tmp_path):
 
 
 def test_engine_config_is_built_from_the_section(tmp_path):
-    from deployments.llm_server import engine_config
+    from deployments.engine_settings import engine_config
     from engine_ext import EngineConfig, SpecConfig
 
     cfg = load_config({"engine": {"max_model_len": 256, "compile_cache_dir": str(tmp_path), "warmup": False}}, env={})
