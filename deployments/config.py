@@ -232,9 +232,10 @@ def load_config(args: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[
     try:
         cfg = AppConfig.model_validate({**merged, "engine": engine})
     except ValidationError as e:  # one line per problem, not pydantic's report of every union member tried
-        raise ConfigError("invalid configuration: " + "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'config'}: {str(err['msg']).removeprefix('Value error, ')}"
-            for err in e.errors())) from None
+        problems = [(".".join(map(str, err["loc"])), str(err["msg"]).removeprefix("Value error, "))
+                    for err in e.errors()]
+        raise ConfigError("invalid configuration: " + "; ".join(f"{loc}: {msg}" if loc else msg
+                                                                for loc, msg in problems)) from None
     if cfg.uses_default_admin_token():
         logger.warning(
             "control plane uses the default admin token %r: set LORASERVE_ADMIN_TOKEN outside development",
