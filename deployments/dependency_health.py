@@ -52,8 +52,9 @@ class DependencyHealth:
             first = dependency not in self._down
             self._down[dependency] = (self._down[dependency][0] if not first else now, now)
         if first:
+            cause = error.__cause__ or error  # the driver's error under a RegistryUnavailable
             logger.warning("%s is unreachable (%s: %s); serving what does not need it until it is back",
-                           dependency, type(error).__name__, str(error)[:200])
+                           dependency, type(cause).__name__, str(cause)[:200])
 
     def is_down(self, dependency: str) -> bool:
         with self._lock:

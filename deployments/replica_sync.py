@@ -18,7 +18,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from deployments.dependency_health import DependencyHealth
-from deployments.registry_view import METADATA
+from deployments.registry_view import METADATA, dependency_name
 from deployments.replica_adapters import ReplicaAdapters
 from deployments.replica_placement import ReplicaPlacement
 from deployments.replica_report import EngineStatsReader
@@ -54,8 +54,13 @@ class ReplicaSync:
         return state
 
     async def _prefetch(self, key: str) -> bool:
+        from registry import RegistryUnavailable
+
         try:
             await self.adapters.acquire(key)
+        except RegistryUnavailable as e:  # tried again next period; one log line per outage
+            self.health.failed(dependency_name(e), e)
+            return False
         except Exception as e:  # noqa: BLE001 - a failed prefetch surfaces on the next request for it
             logger.warning("prefetch of %s failed: %s: %s", key, type(e).__name__, e)
             return False

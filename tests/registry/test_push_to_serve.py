@@ -16,7 +16,8 @@ import httpx
 from tests.deployments.serve_harness import ADMIN, UPLOAD_LIMIT
 
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
-RANK = 680  # all 7 projections of the demo's 4 layers in float32: 74 KB per rank, ~50 MB
+SIZE = 50 * 10**6  # bytes of the adapter's weights, about
+ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
 def cli(serve_app, *args, **kw):
@@ -28,11 +29,13 @@ def cli(serve_app, *args, **kw):
 
 def test_a_50_mb_push_resumes_after_a_kill_and_the_limit_is_the_uploads_own(serve_app, tmp_path):
     big = tmp_path / "big"
-    made = cli(serve_app, "init-example", str(big), "--base-model", serve_app.base_name, "--rank", str(RANK),
-               "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    spec = serve_app.registry.get_base_model(serve_app.base_name)
+    per_rank = 4 * spec.num_hidden_layers * sum(m.in_features + m.out_features for m in spec.modules.values())
+    made = cli(serve_app, "init-example", str(big), "--base-model", serve_app.base_name, "--rank",
+               str(SIZE // per_rank + 1), "--targets", ALL)
     assert made.wait(120) == 0, made.stderr.read()
     size = (big / "adapter_model.safetensors").stat().st_size
-    assert 48 * 2**20 < size < UPLOAD_LIMIT
+    assert 0.99 * SIZE < size < UPLOAD_LIMIT
 
     t0 = time.monotonic()
     first = cli(serve_app, "push", str(big), "--name", "big-push", "--base-model", serve_app.base_name)
