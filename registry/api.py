@@ -140,7 +140,7 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
     auth = TokenAuth(tokens_from_env() if tokens is None else tokens)
     Caller = Annotated[Principal, Depends(auth)]
     Name = Annotated[str, Path(description="adapter name")]
-    errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 422)}
+    errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 413, 422, 503)}
     app = FastAPI(title="LoRA adapter registry", version="1", responses=errors, docs_url=None, redoc_url=None,
                   openapi_url=None)
     uploads = registry.uploads
