@@ -3,6 +3,7 @@ speculative LoRA-off drafting."""
 
 from .async_engine import AsyncLLMEngine
 from .config import EngineConfig, SpecConfig
+from .errors import InvalidParameterError, PromptTooLongError, RequestRefused
 from .kernels import KernelSettings
 from .llm_engine import LLMEngine, StepContext
 from .lora_adapter import AdapterError
@@ -14,9 +15,12 @@ __all__ = [
     "AdapterError",
     "AsyncLLMEngine",
     "EngineConfig",
+    "InvalidParameterError",
     "KernelSettings",
     "LLMEngine",
     "ModelLoadError",
+    "PromptTooLongError",
+    "RequestRefused",
     "RequestOutput",
     "SamplingParams",
     "SpecConfig",

@@ -70,9 +70,7 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.seqs):
-            self.engine.abort_request(rid)
-            self.engine.seqs.pop(rid, None)
+        for rid in self.engine.abort_all():
             self._deliver(rid, (_FAILED, error))
 
     def _take_arrivals(self) -> None:
@@ -133,6 +131,23 @@ class AsyncLLMEngine:
 
     def has_adapter(self, name: str) -> bool:
         return self.engine.has_adapter(name)
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        self.engine.pin_adapter(name, pinned)
+
+    def host_adapters(self) -> list[str]:
+        return self.engine.host_adapters()
+
+    def set_host_eviction(self, choose) -> None:
+        self.engine.set_host_eviction(choose)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def is_alive(self) -> bool:
+        """The step loop's thread is running (it outlives a failed step: see `_loop`)."""
+        return self._thread.is_alive()
 
     def stats(self) -> dict:
         with self._lock:

@@ -17,6 +17,7 @@ import torch
 from .adapter_manager import AdapterManager
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig, SpecConfig
+from .errors import PromptTooLongError
 from .executor import Step, StepExecutor
 from .flight import Flight
 from .lora_adapter import AdapterError
@@ -48,6 +49,8 @@ class StepContext:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
+        if config.model is None:
+            raise ValueError("EngineConfig.model is None: an engine needs the model's directory")
         self.config = config
         self.device = torch.device(config.device)
         self.spec = load_model_spec(config.model)
@@ -97,6 +100,19 @@ class LLMEngine:
     def has_adapter(self, name: str) -> bool:
         return self.adapters.known(name)
 
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        """A pinned adapter is never evicted from host memory or from its device slot."""
+        self.adapters.set_pinned(name, pinned)
+
+    def host_adapters(self) -> list[str]:
+        """The adapters parsed in host memory now, least recently used first (the engine's host cache)."""
+        return self.adapters.host_resident
+
+    def set_host_eviction(self, choose: Callable[[list[str]], str | None]) -> None:
+        """Which adapter leaves host memory when more than `max_cpu_loras` are parsed: `choose(candidates)`
+        (unpinned, least recently used first) -> one of them, or None to keep them all for now."""
+        self.adapters.host_eviction = choose
+
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None,
@@ -118,9 +134,12 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.spec.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}")
-        if blocks_for(len(prompt_token_ids) + 2 * self.lookahead + 2, self.config.block_size) > self.blocks.num_blocks:
-            raise ValueError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})")
+            raise PromptTooLongError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                                     f"{self.max_model_len}", len(prompt_token_ids), self.max_model_len)
+        room = 2 * self.lookahead + 2  # its first token, and what two steps queued at once may write past it
+        if blocks_for(len(prompt_token_ids) + room, self.config.block_size) > self.blocks.num_blocks:
+            raise PromptTooLongError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})",
+                                     len(prompt_token_ids), self.blocks.num_blocks * self.config.block_size - room)
         params.check_vocab(self.spec.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
@@ -141,6 +160,19 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+
+    def abort_all(self) -> list[str]:
+        """End every request with "abort" and drop the step queued on the device unread (after a step failed:
+        nothing of it can be trusted); returns their ids."""
+        ids = list(self.seqs)
+        for request_id in ids:
+            self.abort_request(request_id)
+        self._flight = self._flight_plan = None
+        for seq in self.seqs.values():
+            seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
+        self.seqs.clear()
+        self.scheduler.finished.clear()
+        return ids
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -20,7 +20,8 @@ class UsageStats:
 class AdapterStats(UsageStats):
     loads: int = 0  # copies into a device slot
     hits: int = 0  # requests that found the adapter already in a slot
-    disk_loads: int = 0
+    disk_loads: int = 0  # parses of its files into host memory (the first, and again after an eviction)
+    disk_load_seconds: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rejections: int = 0  # verify passes that rejected one of its drafts
@@ -86,7 +87,8 @@ class EngineStats:
         """Counters as plain data. `acceptance_estimates`: the gate's running estimate per adapter."""
         adapters = {}
         for name, a in list(self.adapters.items()):
-            entry = {k: getattr(a, k) for k in ("requests", "tokens", "loads", "hits", "disk_loads")}
+            entry = {k: getattr(a, k) for k in ("requests", "tokens", "loads", "hits", "disk_loads",
+                                                "disk_load_seconds")}
             if self.spec is not None:
                 entry |= a.speculative() | {"acceptance_ema": (acceptance_estimates or {}).get(name)}
             adapters[name] = entry
