@@ -3,8 +3,9 @@
 The same app twice in sequence (2 LLM replicas each): the default config (speculation on, the gate
 deciding; the demo built with the quick recipe so the test takes minutes, not the full demo's training),
 then the same with `engine.speculative=null` (plain multi-LoRA). Greedy outputs of 24 requests over 3
-adapters and the base model, chat and completions, streamed and not, must be the same; and the default
-app's /metrics must show per-adapter speculative counters above zero after the traffic.
+adapters and the base model, chat and completions, streamed and not, must be the same; 8 identical seeded
+requests at temperature 0.8 to each adapter must give one output per adapter, the same in both apps; and the
+default app's /metrics must show per-adapter speculative counters above zero after the traffic.
 """
 
 from __future__ import annotations
@@ -82,6 +83,22 @@ def ask(client: openai.OpenAI, model: str, prompt: str, chat: bool, stream: bool
     return r.choices[0].text
 
 
+SEEDED = dict(prompt="def __init__(self", max_tokens=24, temperature=0.8, seed=1234)
+
+
+def run_seeded(url: str, adapters: list[str]) -> dict[str, list[str]]:
+    """Per adapter: 8 identical seeded requests, and one more with another seed (last), sent concurrently with the
+    other adapters' (each lands in batches of its own mix)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=DEFAULT_API_KEY, max_retries=0, timeout=120)
+    jobs = [(a, SEEDED | {"seed": 1234 if i < 8 else 4321}) for i in range(9) for a in adapters]
+    with cf.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda job: client.completions.create(model=job[0], **job[1]).choices[0].text, jobs))
+    out: dict[str, list[str]] = {}
+    for (adapter, _), text in zip(jobs, texts):
+        out.setdefault(adapter, []).append(text)
+    return out
+
+
 def run_all(url: str, reqs) -> list[str]:
     client = openai.OpenAI(base_url=url + "/v1", api_key=DEFAULT_API_KEY, max_retries=0, timeout=120)
     with cf.ThreadPoolExecutor(4) as pool:  # concurrent: batches mix adapters and the base model
@@ -118,7 +135,8 @@ def served():
             try:
                 adapters = sorted(demo_paths(cfg)["adapters"])[:3]
                 reqs = requests(cfg.base_model_name, adapters)
-                out[name] = {"engine": cfg.engine, "reqs": reqs, "texts": run_all(url, reqs), "adapters": adapters}
+                out[name] = {"engine": cfg.engine, "reqs": reqs, "texts": run_all(url, reqs), "adapters": adapters,
+                             "seeded": run_seeded(url, sorted(demo_paths(cfg)["adapters"]))}
                 if name == "spec-on":  # replicas report on a timer: wait for the counters, then stop
                     deadline = time.monotonic() + 30
                     while True:
@@ -150,6 +168,17 @@ def test_greedy_outputs_with_speculation_equal_plain_decoding(served):
     diffs = [(r, a, b) for r, a, b in zip(reqs, on["texts"], off["texts"]) if a != b]
     assert not diffs, f"{len(diffs)} of {len(reqs)} differ, first: {diffs[0]}"
     assert sum(bool(t) for t in on["texts"]) >= len(reqs) - 2  # they generated something
+
+
+def test_seeded_sampling_gives_one_output_whatever_the_batch_and_speculation(served):
+    """Seeded sampling draws each token with noise keyed by (seed, position) alone, and speculation commits
+    exactly the target's draws: 8 identical requests give one text, with speculation on and off alike."""
+    on, off = served["spec-on"]["seeded"], served["spec-off"]["seeded"]
+    assert on.keys() == off.keys() and len(on) >= 3
+    for adapter, texts in on.items():
+        assert len(set(texts[:8])) == 1, (adapter, texts[:8])
+        assert texts[:8] == off[adapter][:8], (adapter, texts[0], off[adapter][0])
+    assert any(texts[8] != texts[0] for texts in on.values())  # another seed, another draw: it does sample
 
 
 def test_default_app_exports_per_adapter_speculative_counters(served):

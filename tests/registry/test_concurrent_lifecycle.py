@@ -67,9 +67,13 @@ def test_50_concurrent_ops_equal_audit_replay(make_registry, stage, backend_name
         c.close()
 
     assert all(r in ("ok", "conflict") for r in results), results
-    entries = reg.audit(name="hot", after_seq=start_seq, limit=1000)
-    # No lost update: every successful operation has exactly one audit entry, and vice versa.
+    logged = reg.audit(name="hot", after_seq=start_seq, limit=1000)
+    entries = [e for e in logged if not e.action.endswith("_rejected")]
+    # No lost update: every successful operation has exactly one audit entry, and vice versa; every refused one
+    # its refusal.
     assert sorted(e.actor for e in entries) == sorted(f"w{i}" for i, r in enumerate(results) if r == "ok")
+    assert sorted(e.actor for e in logged if e.action.endswith("_rejected")) == sorted(
+        f"w{i}" for i, r in enumerate(results) if r == "conflict")
     assert results.count("ok") >= 3  # several writers really committed (the exact count depends on interleaving)
     # Each entry's before is the previous entry's after: the log is a serial history.
     heads = [start_state.head()] + [e.after for e in entries]
