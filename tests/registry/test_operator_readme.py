@@ -1,4 +1,4 @@
-"""The README's operator section, followed to the letter: every `bash` block of "Operating the registry" runs,
+"""docs/operator.md followed to the letter: every `bash` block of "Operating the registry" runs,
 in order, in one shell (the installed `lora-registry` CLI and curl) against a control plane started as its own
 process with default settings (but no blob grace period) under a fresh HOME, mounted at /admin as in the Serve
 app. The only change made to the text is the port. Then the server is stopped the way the section says (SIGINT, i.e. Ctrl-C)."""
@@ -21,8 +21,8 @@ from tests.registry.adapter_kit import TEST_LIMITS, start_control_plane
 
 REPO = Path(__file__).resolve().parents[2]
 def operator_blocks() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("#### Operating the registry", 1)[1].split("\n### ", 1)[0]
+    text = (REPO / "docs" / "operator.md").read_text()
+    section = text.split("# Operating the registry", 1)[1].split("\n### ", 1)[0]
     return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
 
 
