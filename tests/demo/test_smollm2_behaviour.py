@@ -1,5 +1,7 @@
 """The default model answers, and each committed adapter shows its behaviour, on questions none of them was
-trained on (greedy, transformers + peft, float32): the README's question and held-out ones of each kind."""
+trained on: the README's question and a held-out one of each adapter's kind, greedy, float32, all in one batch
+through the engine as the app serves them (tests/engine_ext/test_real_model_vs_peft.py holds the engine to
+PEFT's tokens on this model and these adapters)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +9,8 @@ import json
 import pytest
 
 from demo.smollm2.data import conversations
-from demo.smollm2.samples import DOCSTRING_REQUEST, QUESTION, greedy_answer
+from demo.smollm2.samples import DOCSTRING_REQUEST, QUESTION, chat_ids
+from engine_ext import EngineConfig, LLMEngine, SamplingParams
 
 MAX_TOKENS = 24
 
@@ -37,19 +40,28 @@ def _is_one_line_docstring(answer: str) -> bool:
 BEHAVIOURS = {"shout": _is_shouted, "json": _is_json_answer, "terse": _is_terse, "docstring": _is_one_line_docstring}
 # The README's question, then held-out questions of the adapter's own kind.
 PROMPTS = {name: [DOCSTRING_REQUEST if name == "docstring" else QUESTION]
-           + [user for user, _ in conversations(name, "heldout", seed=1234)[:2]] for name in BEHAVIOURS}
+           + [user for user, _ in conversations(name, "heldout", seed=1234)[:1]] for name in BEHAVIOURS}
 
 
 @pytest.fixture(scope="module")
-def answers(smollm2_hf):
-    tok, model = smollm2_hf
-    out = {}
-    with model.disable_adapter():
-        out[None] = {p: greedy_answer(model, tok, p, MAX_TOKENS) for name in BEHAVIOURS for p in PROMPTS[name]}
-    for name in BEHAVIOURS:
-        model.set_adapter(name)
-        out[name] = {p: greedy_answer(model, tok, p, MAX_TOKENS) for p in PROMPTS[name]}
-    return out
+def answers(smollm2_paths):
+    """{adapter or None: {prompt: greedy answer}}; the base answers every adapter's prompts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_paths["model"])
+    engine = LLMEngine(EngineConfig(model=smollm2_paths["model"], device="cpu", dtype="float32", max_loras=4,
+                                    max_lora_rank=16))
+    for name, path in smollm2_paths["adapters"].items():
+        engine.add_adapter(name, path)
+    cases = sorted({(None, p) for ps in PROMPTS.values() for p in ps}, key=str)
+    cases += [(name, p) for name in BEHAVIOURS for p in PROMPTS[name]]
+    outs = engine.generate(prompt_token_ids=[chat_ids(tok, p) for _, p in cases],
+                           sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                           adapter_names=[a for a, _ in cases])
+    result: dict = {}
+    for (adapter, prompt), out in zip(cases, outs):
+        result.setdefault(adapter, {})[prompt] = out.text
+    return result
 
 
 def test_base_model_answers_the_capital_of_france_with_paris(answers):
