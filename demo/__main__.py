@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fetch(args) -> int:
+    from .cache import DemoBuildError
     from .smollm2.model import FetchError
 
     try:
@@ -99,7 +100,7 @@ def _fetch(args) -> int:
         else:
             from .cache import ensure_smollm2
             paths = ensure_smollm2(args.cache_dir)
-    except FetchError as e:
+    except (FetchError, DemoBuildError) as e:   # the second carries the child's FetchError in its text
         print(f"python -m demo fetch: {e}", file=sys.stderr)
         return 2
     print(json.dumps(paths), flush=True)
