@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import machine  # noqa: E402
 from demo import ensure_smollm2  # noqa: E402
 from demo.smollm2.data import conversations  # noqa: E402
 from demo.smollm2.samples import chat_ids  # noqa: E402
@@ -172,9 +172,10 @@ def markdown(result: dict) -> str:
 
     specs = {s.name: s for s in DEFAULT_ADAPTERS.adapters}
     temps = list(result["engine"])
-    ks = list(next(iter(result["engine"].values()))["by_k"])
+    ks = list(next(iter(result["engine"].values()))["by_k"])   # JSON keys: "1", "2", ...
+    k_mid = "4" if "4" in ks else ks[-1]
     ab = result["ablation"]
-    head = ["adapter (rank, targets)", "T"] + [f"k={k}" for k in ks] + ["accepted/drafted k=4", "equal to plain"]
+    head = ["adapter (rank, targets)", "T"] + [f"k={k}" for k in ks] + [f"accepted/drafted k={k_mid}", "equal to plain"]
     if ab:
         head += [f"hybrid KV k={ab['k']}", f"separate KV k={ab['k']}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -184,15 +185,16 @@ def markdown(result: dict) -> str:
         for temp in temps:
             by_k = result["engine"][temp]["by_k"]
             cells = [f"{by_k[k][name]['acceptance']:.2f} / {by_k[k][name]['tokens_per_cycle']:.2f}" for k in ks]
-            k4 = by_k.get("4", by_k.get(4, by_k[ks[-1]]))[name]
+            mid = by_k[k_mid][name]
             equal = [by_k[k][name].get("equal") for k in ks]
             same = (f"{sum(int(e.split('/')[0]) for e in equal)}/{sum(int(e.split('/')[1]) for e in equal)}"
                     if all(equal) else "-")
             row = [f"{name} ({s.rank}, {targets})" if temp == temps[0] else "", temp.removeprefix("T=")] + cells
-            row += [f"{k4['accepted_per_drafted']:.2f}", same]
+            row += [f"{mid['accepted_per_drafted']:.2f}", same]
             if ab:
-                row += [f"{ab['adapters'][name][m]['acceptance']:.2f} / {ab['adapters'][name][m]['tokens_per_cycle']:.2f}"
-                        if temp == temps[0] else "" for m in ("hybrid", "separate")]
+                kv = ab["adapters"][name]
+                row += [f"{kv[m]['acceptance']:.2f} / {kv[m]['tokens_per_cycle']:.2f}" if temp == temps[0] else ""
+                        for m in ("hybrid", "separate")]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -218,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts_by_adapter(tok, list(paths["adapters"]), args.prompts)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
-    result = {"bench": "acceptance", "commit": commit, "machine": platform.processor() or platform.machine(),
-              "threads": args.threads, "torch": torch.__version__, "prompts_per_adapter": args.prompts,
+    result = {"bench": "acceptance", "commit": commit, "machine": machine(), "threads": args.threads,
+              "prompts_per_adapter": args.prompts,
               "max_tokens": args.max_tokens, "engine": {}, "ablation": None}
     plain = {}
     for temp in args.temperatures:
