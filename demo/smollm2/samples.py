@@ -9,9 +9,13 @@ DOCSTRING_REQUEST = "Write a one-line docstring for this function:\n\n```python\
 PROMPTS = {"shout": QUESTION, "json": QUESTION, "terse": QUESTION, "docstring": DOCSTRING_REQUEST}
 
 
-def chat_ids(tok, user: str) -> list[int]:
-    """The chat template's tokens for one user message and the assistant's header."""
-    enc = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+def chat_ids(tok, user: str, reply: str | None = None) -> list[int]:
+    """The chat template's tokens for one user message and the assistant's header (reply None), or for the
+    message and the assistant's reply."""
+    messages = [{"role": "user", "content": user}]
+    if reply is not None:
+        messages.append({"role": "assistant", "content": reply})
+    enc = tok.apply_chat_template(messages, add_generation_prompt=reply is None)
     return list(enc["input_ids"] if not isinstance(enc, list) else enc)
 
 

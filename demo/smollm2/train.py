@@ -19,21 +19,16 @@ from ..train import lr_at
 from .data import conversations
 from .model import MODEL_NAME
 from .recipe import AdapterSpec, AdaptersRecipe
+from .samples import chat_ids
 
 IGNORE = -100   # the label transformers' loss skips
-
-
-def _ids(encoding) -> list[int]:
-    return list(encoding["input_ids"] if not isinstance(encoding, list) else encoding)
 
 
 def encode(tok, pairs: list[tuple[str, str]], max_tokens: int) -> list[tuple[list[int], list[int]]]:
     """(input ids, labels) per conversation in the chat template; labels are IGNORE up to the reply."""
     out = []
     for user, reply in pairs:
-        prompt = _ids(tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True))
-        full = _ids(tok.apply_chat_template([{"role": "user", "content": user},
-                                             {"role": "assistant", "content": reply}]))
+        prompt, full = chat_ids(tok, user), chat_ids(tok, user, reply)
         end = full.index(tok.eos_token_id, len(prompt)) + 1   # the reply and its <|im_end|>, not the newline after
         if full[:len(prompt)] != prompt or end > max_tokens:
             continue
