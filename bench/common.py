@@ -136,7 +136,7 @@ def spec_delta(before: dict, after: dict) -> dict:
     return {"acceptance": accepted / drafted if drafted else None, "drafted_tokens": drafted,
             "cycles": sa["cycles"] - sb.get("cycles", 0), "plain_steps": sa["plain_steps"] - sb.get("plain_steps", 0),
             "cycle_passes": {str(k): v for k, v in sorted(passes.items()) if v},
-            "joined": sa["joined"] - sb.get("joined", 0), "cut_cycles": sa["cut_cycles"] - sb.get("cut_cycles", 0),
+            "joined": sa["joined"] - sb.get("joined", 0),
             "ridden_prompts": sa.get("ridden_prompts", 0) - sb.get("ridden_prompts", 0),
             "paced_prompts": sa.get("paced_prompts", 0) - sb.get("paced_prompts", 0),
             "gate_decisions": {k: v for k, v in decisions.items() if v}}

@@ -60,6 +60,20 @@ for step in $STEPS; do
           pack
         done
       done ;;
+    busy)  # issue 28: GPU busy fraction (torch.profiler: the union of kernel intervals over the run's wall time), tok/s
+      # and host time per step for every mode on identical open-loop traffic, in this tree and in $AB_TREE (an
+      # earlier commit unpacked beside it: git archive <commit> | tar -x -C .ab/<commit>), one shape at a time
+      for shape in ${BUSY_SHAPES:-llama-3.2-1b}; do
+        for tree in . ${AB_TREE:-}; do
+          name="busy-$shape-$(basename "$(cd "$tree" && pwd)")"
+          timeout ${BUSY_TIMEOUT:-300} python3 bench/gpu_busy.py --tree "$tree" --out "$OUT/$name.json" -- \
+            --shape "$shape" --rank ${BUSY_RANK:-16} --mix ${BUSY_MIX:-near} --modes ${BUSY_MODES:-base plain gated forced} \
+            --runs ${BUSY_RUNS:-burst burst} --requests ${BUSY_REQUESTS:-300} --warmup ${BUSY_WARMUP:-50} \
+            2>"$OUT/$name.log" >/dev/null
+          echo "$name rc $?"; grep '^busy\|^compare\|crash\|Error' "$OUT/$name.log" | tail -12
+          pack
+        done
+      done ;;
     load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst
       timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null

@@ -1,7 +1,7 @@
-"""Host time of an engine step at a full batch on the CPU: the step's wall time less its forwards' (ModelRunner.run),
-per mode (plain, forced k, gated k), with a tiny random model so the forwards stay short. This is the time a GPU
-waits for the host between a cycle's sync and its next pass (settling, emitting, scheduling, the gate's planning)
-plus the packing that a GPU overlaps with the passes before it. Also the interpreter's garbage collections during
+"""Host time of an engine step at a full batch on the CPU: the step's wall time less its model forwards', per mode
+(plain, forced k, gated k), with a tiny random model so the forwards stay short. This is the host work of a step
+(scheduling, the gate's planning, packing and queuing its forwards, reading the step before: committing, stops,
+outputs), which the device's step must cover for the device never to wait. Also the interpreter's garbage collections during
 the measured steps (count and milliseconds per generation), the slowest step, and what one full collection costs
 after them (the pause the engine thread takes whenever the interpreter runs one: rare, but it stalls every stream);
 `--gc freeze` first collects and freezes the start-up heap, as an LLM replica does once ready (AppConfig.gc_freeze).
@@ -72,7 +72,7 @@ def main() -> None:
                                sampling_params=SamplingParams(max_tokens=900, ignore_eos=True),
                                adapter_name=names[i % len(names)])
         forward = [0.0]
-        run = engine.runner.run
+        run = engine.runner.model.forward
 
         def timed(*a, **kw):
             start = time.perf_counter()
@@ -80,7 +80,7 @@ def main() -> None:
             forward[0] += time.perf_counter() - start
             return out
 
-        engine.runner.run = timed
+        engine.runner.model.forward = timed
         for _ in range(8):  # prompts and the gate's first measurements
             engine.step()
         if collector == "freeze":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -103,14 +104,14 @@ class StepClock:
         self.t += self.pass_dt
 
 
-def replay(engine, requests: list[Request], clock, params_for, max_steps: int | None = None,
-           sync=lambda: None) -> list[Record]:
+def replay(engine, requests: list[Request], clock, params_for, max_steps: int | None = None) -> list[Record]:
     """Drive `engine.step()` under open-loop arrivals: before each step, add every request that has arrived and
     abort those past their `abort_after`; during a step, a speculative cycle takes in those that arrive between
-    its passes (the engine's `intake`) and hands out first tokens before it ends (`publish`, recorded at that
-    moment), as a serving loop's does. `params_for(request)` gives its SamplingParams. A
-    request the engine refuses is recorded with its error, not raised. Returns one record per request, in
-    arrival order."""
+    its passes (StepContext.arrivals) and hands out first tokens before it ends (StepContext.publish, recorded at
+    that moment), as a serving loop's does. `params_for(request)` gives its SamplingParams. A request the engine
+    refuses is recorded with its error, not raised. Returns one record per request, in arrival order."""
+    from engine_ext import StepContext
+
     records = {r.request_id: Record(r) for r in requests}
     pending = list(requests)
     live: set[str] = set()
@@ -143,27 +144,23 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
                 rec.finish_reason = out.finish_reason
                 live.discard(out.request_id)
 
-    engine.intake = intake_between_passes
-    engine.publish = lambda outs: record(outs, clock.now())  # first tokens handed out during a cycle
+    # first tokens handed out during a cycle are recorded when they come
+    ctx = StepContext(arrivals=intake_between_passes, publish=lambda outs: record(outs, clock.now()))
     steps = 0
-    try:
-        while pending or live:
-            if not live and pending:
-                clock.idle_until(pending[0].arrival)
-            intake()
-            for rid in list(live):
-                rec = records[rid]
-                if rec.request.abort_after is not None and len(rec.token_ids) >= rec.request.abort_after:
-                    engine.abort_request(rid)
-            outs = engine.step()
-            sync()
-            clock.stepped()
-            record(outs, clock.now())
-            steps += 1
-            if max_steps is not None and steps >= max_steps:
-                break
-    finally:
-        engine.intake = engine.publish = None
+    while pending or live:
+        if not live and pending:
+            clock.idle_until(pending[0].arrival)
+        intake()
+        for rid in list(live):
+            rec = records[rid]
+            if rec.request.abort_after is not None and len(rec.token_ids) >= rec.request.abort_after:
+                engine.abort_request(rid)
+        outs = engine.step(ctx)
+        clock.stepped()
+        record(outs, clock.now())
+        steps += 1
+        if max_steps is not None and steps >= max_steps:
+            break
     return [records[r.request_id] for r in requests]
 
 
@@ -336,8 +333,9 @@ def main() -> None:
     engine = LLMEngine(cfg)
     for n, p in adapters.items():
         engine.add_adapter(n, p)
+    gc.collect()
+    gc.freeze()  # as an LLM replica does once ready (AppConfig.gc_freeze): no full collection walks the start-up heap
     ready_entries = _cache_entries(args.compile_cache)
-    sync = (lambda: torch.cuda.synchronize()) if gpu else (lambda: None)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
     result = {"machine": machine(), "shape": args.shape, "spec": args.spec, "modes": modes, "mix": args.mix,
@@ -366,14 +364,14 @@ def main() -> None:
         if args.warmup:
             warm = traffic_for(0, args.runs[0], mode, args.warmup)
             replay(engine, [dataclasses.replace(r, request_id="w" + r.request_id) for r in warm], WallClock(),
-                   params_for, sync=sync)
+                   params_for)
         for i, run_spec in enumerate(args.runs):
             requests = traffic_for(i, run_spec, mode, args.requests)
             run = {"run": run_spec, "mode": mode}
             stats_before = engine.stats()
             start = time.perf_counter()
             try:
-                records = replay(engine, requests, WallClock(), params_for, sync=sync)
+                records = replay(engine, requests, WallClock(), params_for)
                 run |= summarize(records, time.perf_counter() - start)
                 run["outputs"] = outputs_digest(records)
             except Exception as exc:  # a crash is the result: report it, with how far the run got

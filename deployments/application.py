@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -28,9 +29,9 @@ def bind_app(cfg: AppConfig):
     placement = None
     if cfg.placement_controller:
         placement = PlacementControllerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
-            dict(cfg.placement), cfg.max_loras, cfg.max_cpu_loras, cfg.placement_period_s)
+            cfg.placement, cfg.max_loras, cfg.max_cpu_loras, cfg.placement_period_s)
     if cfg.affinity_router:
-        router = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=dict(cfg.router),
+        router = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=dataclasses.asdict(cfg.router),
                                      request_routing_stats_period_s=cfg.routing_stats_period_s)
     threads = str(cfg.torch_threads)
     runtime_env: dict[str, Any] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}

@@ -21,15 +21,22 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["AppConfig", "RateSpec", "load_config", "DEFAULT_API_KEY", "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
+from router.placement import PlacementConfig
+from router.policy import AffinityConfig
+
+__all__ = ["AppConfig", "ConfigError", "RateSpec", "load_config", "DEFAULT_API_KEY", "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "LORASERVE_"
 DEFAULT_API_KEY = "sk-loraserve-dev"  # maps to tenant "default"; documented in the README
 DEFAULT_ADMIN_TOKEN = "loraserve-admin-dev"
+
+
+class ConfigError(ValueError):
+    """The app's configuration is refused; the message names each field at fault."""
 
 
 class RateSpec(BaseModel):
@@ -67,9 +74,11 @@ class AppConfig(BaseModel):
     ingress_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.25, ge=0)
     affinity_router: bool = Field(True, description="False: Ray Serve's default router (for comparison)")
-    router: dict[str, Any] = Field(default_factory=dict, description="AffinityConfig fields")
+    router: AffinityConfig = Field(default_factory=AffinityConfig, description=(
+        "router.policy.AffinityConfig fields, checked by AffinityConfig itself"))
     placement_controller: bool = Field(True, description="run the placement controller (tiers, homes, prefetch)")
-    placement: dict[str, Any] = Field(default_factory=dict, description="router.placement.PlacementConfig fields")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description=(
+        "router.placement.PlacementConfig fields, checked by PlacementConfig itself"))
     placement_period_s: float = Field(1.0, gt=0, description="re-plan, report and replica sync period")
     push_residency: bool = Field(
         True, description="replicas push their adapter ids to Serve's controller on every load (both routers see it)"
@@ -147,9 +156,6 @@ class AppConfig(BaseModel):
         self.engine = resolve_engine(self.engine, self.num_gpus_per_replica)
         if self.num_gpus_per_replica > 0 and not self.engine["device"].startswith("cuda"):
             raise ValueError("num_gpus_per_replica > 0 needs engine.device 'cuda'")
-        from router.placement import PlacementConfig
-
-        PlacementConfig(**self.placement)  # validated here, where the config enters
         return self
 
     def uses_default_admin_token(self) -> bool:
@@ -225,7 +231,13 @@ def load_config(args: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[
         rest, section = split_engine(source)
         merged.update(rest)
         engine.update(section)
-    cfg = AppConfig.model_validate({**merged, "engine": engine})
+    try:
+        cfg = AppConfig.model_validate({**merged, "engine": engine})
+    except ValidationError as e:  # one line per problem, not pydantic's report of every union member tried
+        problems = [(".".join(map(str, err["loc"])), str(err["msg"]).removeprefix("Value error, "))
+                    for err in e.errors()]
+        raise ConfigError("invalid configuration: " + "; ".join(f"{loc}: {msg}" if loc else msg
+                                                                for loc, msg in problems)) from None
     if cfg.uses_default_admin_token():
         logger.warning(
             "control plane uses the default admin token %r: set LORASERVE_ADMIN_TOKEN outside development",

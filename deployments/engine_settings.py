@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from typing import Any, Mapping, Optional
 
 __all__ = ["FLAT_ALIASES", "engine_fields", "engine_profile", "resolve_engine", "build_engine_config",
-           "coerce_engine_value"]
+           "engine_config", "coerce_engine_value"]
 
 # Speculation as the profiles set it: k = 4 drafts per cycle, the gate picks plain steps where drafting
 # cannot pay (a CPU, a batch of base-only requests, adapters whose drafts are rarely accepted).
@@ -95,17 +94,23 @@ def resolve_engine(section: Mapping[str, Any], num_gpus: float = 0.0) -> dict[st
         if set(spec) - known:
             raise ValueError(f"engine.speculative: unknown field(s) {sorted(set(spec) - known)}; "
                              f"SpecConfig fields are {sorted(known)}")
-    # The model directory is checked where the replica builds its engine (it may exist only on that node);
-    # any existing directory stands in for it here.
-    config = build_engine_config(merged, os.path.dirname(os.path.abspath(__file__)))
+    # Checked without a model directory: it is known (and checked) where the replica builds its engine,
+    # the one EngineConfig with a model it makes (it may exist only on that node).
+    config = build_engine_config(merged, None)
     out = {name: getattr(config, name) for name in fields}
     out["kernels"] = dataclasses.asdict(out["kernels"])
     out["speculative"] = None if out["speculative"] is None else dataclasses.asdict(out["speculative"])
     return out
 
 
-def build_engine_config(fields: Mapping[str, Any], model_dir: str):
-    """`EngineConfig(model=model_dir, **fields)`, its refusals as ValueError("engine: ...")."""
+def engine_config(cfg: Any, model_dir: str):
+    """The replica's `EngineConfig`: the app's resolved `engine` section (AppConfig.engine) on `model_dir`."""
+    return build_engine_config(cfg.engine, model_dir)
+
+
+def build_engine_config(fields: Mapping[str, Any], model_dir: Optional[str]):
+    """`EngineConfig(model=model_dir, **fields)`, its refusals as ValueError("engine: ..."); model_dir None:
+    the fields alone, checked by EngineConfig before any model directory is known."""
     from engine_ext.config import EngineConfig
 
     try:

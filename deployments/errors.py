@@ -56,13 +56,14 @@ def error_response(err: APIError) -> JSONResponse:
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes gets `refuse(size)` -> (status, JSON body) before it
     is parsed. A declared Content-Length over the limit is refused without reading a byte; a body without one
-    (chunked) is counted as it arrives and cut off at the limit."""
+    (chunked) is counted as it arrives and cut off at the limit. Paths under `exempt` (the control plane's
+    uploads, which stream to disk under a limit of their own) pass as they are."""
 
-    def __init__(self, app, limit: int, refuse):
-        self.app, self.limit, self.refuse = app, limit, refuse
+    def __init__(self, app, limit: int, refuse, exempt: Optional[str] = None):
+        self.app, self.limit, self.refuse, self.exempt = app, limit, refuse, exempt
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.exempt and scope.get("path", "").startswith(self.exempt)):
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):

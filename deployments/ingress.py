@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import hmac
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -13,12 +13,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
+from deployments.dependency_health import DependencyGauge, DependencyHealth, DependencyUnavailable
 from deployments.metrics import PlacementTiers, ServingMetrics
 from deployments.placement import PlacementReporter
 from deployments.openai_api import IngressDeps, create_openai_app
 from deployments.protocol import GenerateRequest, ReplicaUnavailable
 from deployments.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter
-from router.policy import adapter_family
+from deployments.registry_view import RegistryView
+from router.keys import AdapterKey
 
 __all__ = ["OpenAIIngress", "ServeLLMClient"]
 
@@ -37,7 +39,7 @@ class ServeLLMClient:
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[dict]:
         if self._reporter is not None and req.adapter_key:
-            self._reporter.count(adapter_family(req.adapter_key))
+            self._reporter.count(AdapterKey.family(req.adapter_key))
         gen = self._handle.options(stream=True, multiplexed_model_id=req.adapter_key or "").generate.remote(req)
         try:
             async for chunk in gen:
@@ -61,6 +63,10 @@ class OpenAIIngress:
         cfg = AppConfig.model_validate(config)
         self.cfg = cfg
         self.registry = make_registry(cfg)
+        self.health = DependencyHealth()
+        metrics = ServingMetrics()
+        metrics.registry.register(DependencyGauge(self.health))
+        self.view = RegistryView(self.registry, self.health, metrics.cached_answers)
         self.placement = None if placement is None else PlacementReporter(placement, cfg.placement_period_s,
                                                                           on_reports=self._export_reports)
         admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}})
@@ -72,11 +78,12 @@ class OpenAIIngress:
         self.deps = IngressDeps(
             base_name=cfg.base_model_name or "base",
             api_keys=dict(cfg.api_keys),
-            resolver=self.registry,
+            resolver=self.view,
             llm=ServeLLMClient(llm, self.placement),
-            limiter=RedisRateLimiter(redis_url, limiter) if redis_url else limiter,
+            limiter=RedisRateLimiter(redis_url, limiter, self.health) if redis_url else limiter,
             gate=ColdLoadGate(limit=cfg.cold_load_concurrency, wait_s=cfg.cold_load_wait_s),
-            metrics=ServingMetrics(),
+            metrics=metrics,
+            readiness=self.view.probe,
             max_tokens_limit=cfg.max_tokens_limit,
             max_request_bytes=cfg.max_request_bytes,
             metrics_token=cfg.metrics_token,
@@ -84,23 +91,31 @@ class OpenAIIngress:
             admin_app=admin,
             admin_prefix=cfg.admin_prefix,
             registry_errors=(AdapterNotFound, AdapterDisabled),
+            upload_prefix=f"{cfg.admin_prefix}/v1/uploads/",
         )
         if self.placement is not None:
             self.placement.start()  # on the replica's event loop: replica reports flow before any request
 
+    def _public(self) -> Callable[[str], bool]:
+        """Whether an adapter key or name may appear in /metrics: any with the metrics token; without it the
+        public ones only (the registry's public listing; none while it is out of reach with nothing cached)."""
+        if self.cfg.metrics_token is not None:
+            return lambda key: True
+        try:
+            public = self.view.public_names()
+        except DependencyUnavailable:
+            public = set()
+        return lambda key: AdapterKey.family(key) in public
+
     def _export_reports(self, reports: dict[str, dict[str, Any]]) -> None:
-        """The replicas' timer reports into /metrics. An open /metrics names public adapters only (the
-        registry's public listing), like the series that ride on responses."""
-        public = None
-        if self.cfg.metrics_token is None:
-            public = {r.name for r in self.registry.list_adapters(None)}
-        keep = (lambda key: True) if public is None else (lambda key: adapter_family(key) in public)  # noqa: E731
-        self.deps.metrics.replicas.replace_all(reports, keep)
+        """The replicas' timer reports into /metrics, tenant-private adapters left out of an open one, like the
+        series that ride on responses."""
+        self.deps.metrics.replicas.replace_all(reports, self._public())
 
     def __serve_build_asgi_app__(self):
         app = create_openai_app(self.deps)
         if self.placement is not None:
-            self.deps.metrics.registry.register(PlacementTiers(self.placement.tiers))
+            self.deps.metrics.registry.register(PlacementTiers(self.placement.tiers, self._public))
             add_placement_route(app, self.placement, self.cfg.admin_token, self.cfg.admin_prefix)
         return app
 
@@ -114,5 +129,5 @@ def add_placement_route(app, reporter: PlacementReporter, admin_token: str, pref
             return JSONResponse({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
         return JSONResponse(await reporter.refresh())
 
-    app.add_api_route(f"{prefix}/v1/placement", placement, methods=["GET"])
+    app.add_api_route(f"{prefix}/v1/placement", placement, methods=["GET"], include_in_schema=False)
     app.router.routes.insert(0, app.router.routes.pop())

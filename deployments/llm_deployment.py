@@ -12,7 +12,8 @@ from ray import serve
 
 from deployments import warm_start
 from deployments.config import AppConfig
-from deployments.llm_server import LLMServer, engine_config
+from deployments.engine_settings import engine_config
+from deployments.llm_server import LLMServer
 from deployments.protocol import GenerateRequest
 from deployments.serve_internals import residency_publisher
 
@@ -77,7 +78,7 @@ class LLMDeployment:
                 "startup": self.startup}
 
     def check_health(self) -> None:
-        if not self.server.engine._thread.is_alive():  # noqa: SLF001 - the engine has no public probe
+        if not self.server.engine.is_alive():
             raise RuntimeError("engine loop thread died")
 
     async def __del__(self):

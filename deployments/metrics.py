@@ -1,14 +1,14 @@
 """Prometheus metrics of the data plane, served at `/metrics` on the HTTP port.
 
 Ingress-side series are measured where the client sees them (TTFT, inter-token latency,
-tokens, queue time = ingress accept -> replica start, requests in flight per replica). Replica-side series (adapter
-loads/hits/misses, load time, speculative drafting: drafted and accepted tokens and acceptance per adapter,
+tokens, queue time = ingress accept -> replica start, requests in flight per replica). Replica-side series (the
+engine's counters per adapter: requests, device-slot hits and loads, file parses and their time, speculative drafting: drafted and accepted tokens and acceptance per adapter,
 cycles, plain steps and gate decisions per replica; KV and batch gauges) come from each replica's report: on a
 timer (the replicas' heartbeat to the placement controller, fetched by every ingress once a period) and on
 each response's final chunk; they are exported with a `replica` label, so one scrape of any ingress shows
 every replica without a separate exporter. Reports are ordered by the replica's `seq`, so an older one never
-takes a counter back. Tenant-private adapters appear as adapter="private" and without replica-side series
-unless `/metrics` needs a token (AppConfig.metrics_token).
+takes a counter back. Unless `/metrics` needs a token (AppConfig.metrics_token), tenant-private adapters appear
+as adapter="private" and without replica-side series or a tier, and every tenant as tenant="private".
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TPS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 
-# replica snapshot field -> (metric name, help, kind)
+# replica snapshot field (deployments.replica_report.ADAPTER_FIELDS: the engine's counters) -> (name, help, kind)
 _ADAPTER_SERIES = {
-    "loads": ("loraserve_adapter_loads_total", "Adapter loads into the replica (registry -> engine)", "counter"),
-    "hits": ("loraserve_adapter_hits_total", "Requests that found their adapter already on the replica", "counter"),
-    "misses": ("loraserve_adapter_misses_total", "Requests that had to wait for their adapter to load", "counter"),
-    "load_seconds": ("loraserve_adapter_load_seconds_total", "Time spent loading adapters", "counter"),
+    "requests": ("loraserve_replica_adapter_requests_total", "Requests the replica's engine took for the adapter",
+                 "counter"),
+    "hits": ("loraserve_adapter_hits_total", "Requests admitted with their adapter already in a device slot",
+             "counter"),
+    "device_loads": ("loraserve_adapter_device_loads_total", "Copies of the adapter into a device slot", "counter"),
+    "loads": ("loraserve_adapter_loads_total", "Parses of the adapter's files into the replica's host memory (its "
+              "first use, and again after an eviction)", "counter"),
+    "load_seconds": ("loraserve_adapter_load_seconds_total", "Time spent parsing the adapter's files", "counter"),
     "acceptance_rate": ("loraserve_spec_acceptance_rate", "Speculative draft acceptance rate (accepted over "
                         "judged drafts)", "gauge"),
     "drafted_tokens": ("loraserve_spec_drafted_tokens_total", "Tokens drafted LoRA-off for the adapter's sequences",
@@ -142,16 +146,19 @@ class _ReplicaSnapshots(Collector):
 
 class PlacementTiers(Collector):
     """`loraserve_adapter_tier{adapter}`: 0 pinned, 1 warm, 2 cold, from the placement controller's
-    latest view (`tiers()` -> family -> tier)."""
+    latest view (`tiers()` -> family -> tier); `shown()` -> whether a family may be named (an open /metrics
+    names public adapters only)."""
 
-    def __init__(self, tiers: Callable[[], Mapping[str, int]]) -> None:
-        self._tiers = tiers
+    def __init__(self, tiers: Callable[[], Mapping[str, int]], shown: Callable[[], Callable[[str], bool]]) -> None:
+        self._tiers, self._shown = tiers, shown
 
     def collect(self) -> Iterable:
         fam = GaugeMetricFamily("loraserve_adapter_tier", "Placement tier of the adapter: 0 pinned, 1 warm, 2 cold",
                                 labels=["adapter"])
+        shown = self._shown()
         for adapter, tier in sorted(self._tiers().items()):
-            fam.add_metric([adapter], float(tier))
+            if shown(adapter):
+                fam.add_metric([adapter], float(tier))
         yield fam
 
 
@@ -175,6 +182,9 @@ class ServingMetrics:
         self.batch = Histogram("loraserve_batch_size", "Running batch size seen by requests", buckets=_BATCH,
                                registry=r)
         self.rate_limited = Counter("loraserve_rate_limited", "429 answers by scope", ["scope"], registry=r)
+        self.cached_answers = Counter("loraserve_registry_cached_answers", "Answers from the last known registry "
+                                      "state while the registry was unreachable, by what was asked", ["what"],
+                                      registry=r)
         self.http_errors = Counter("loraserve_http_errors", "Error answers of the ingress by status and reason "
                                    "(every 4xx/5xx, also those refused before a tenant or model is known)",
                                    ["status", "code"], registry=r)

@@ -2,15 +2,19 @@
 
 `create_openai_app(IngressDeps(...))` has no Ray in it: the Serve ingress passes an `llm`
 that calls the replicas through a deployment handle; unit tests pass a fake.
-Order of checks per request: body size -> API key -> body -> model name -> registry (visibility,
-disabled, canary pick) -> rate limits -> cold-load gate -> replica. Every error answer is an
-OpenAI error body and is counted by status and reason in `/metrics`.
+Order of checks per request: body size -> API key -> the tenant's rate limit -> body -> model name ->
+registry (visibility, disabled, canary pick) -> the adapter's rate limit -> cold-load gate -> replica, so a
+request refused for its body has cost its tenant a token like any other. Every error answer is an OpenAI
+error body and is counted by status and reason in `/metrics`; a dependency out of reach (the registry's
+Redis or S3) is a 503 with Retry-After. Without `metrics_token`, /metrics names no tenant and no
+tenant-private adapter (both labelled "private").
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,18 +22,20 @@ from typing import Any, AsyncIterator, Callable, Mapping, Optional, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import responses as R
-from deployments.adapter_cache import adapter_key
+from deployments.dependency_health import DependencyUnavailable
 from deployments.errors import APIError, BodyLimit
 from deployments.metrics import CONTENT_TYPE, ServingMetrics
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
 from deployments.protocol import GenerateRequest
 from deployments.rate_limit import ColdLoadGate, RateLimited, RateLimiter
 from deployments.stream import StreamRun
+from registry.api_docs import api_docs_page
+from router.keys import AdapterKey
 
 __all__ = ["create_openai_app", "IngressDeps", "LLMClient", "Resolver", "Limiter"]
 
@@ -47,7 +53,7 @@ class LLMClient(Protocol):
 
 
 class Limiter(Protocol):
-    def check(self, tenant: str, adapter: Optional[str]) -> None: ...  # raises RateLimited
+    def take(self, scope: str, key: str) -> None: ...  # scope "tenant" or "adapter"; raises RateLimited
 
 
 @dataclass
@@ -69,6 +75,9 @@ class IngressDeps:
     admin_app: Any = None
     admin_prefix: str = "/admin"
     registry_errors: tuple = ()  # (not_found_cls, disabled_cls): registry exception classes
+    # -> dependency -> up (the registry's stores): `/ready` answers 503 while one is down; None: always ready
+    readiness: Optional[Callable[[], Mapping[str, bool]]] = None
+    upload_prefix: Optional[str] = None  # uploads under this path have the control plane's own size limit
     clock: Callable[[], float] = time.time
 
 
@@ -77,6 +86,7 @@ class _Model:
     key: Optional[str]  # adapter key (name@version); None: the base model
     name: str  # adapter name, "-" for the base
     private: bool
+    record: Any = None  # the registry's record of the version (the replica loads its files from it)
 
 
 def _tenant(deps: IngressDeps, request: Request) -> str:
@@ -86,6 +96,20 @@ def _tenant(deps: IngressDeps, request: Request) -> str:
     if tenant is None:
         raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
     return tenant
+
+
+def _take(deps: IngressDeps, scope: str, key: str) -> None:
+    try:
+        deps.limiter.take(scope, key)
+    except RateLimited as e:
+        deps.metrics.rate_limited.labels(e.scope).inc()
+        raise APIError(429, str(e), code="rate_limit_exceeded",
+                       headers={"Retry-After": RateLimiter.retry_after_header(e)}) from None
+
+
+def _unavailable(err: DependencyUnavailable) -> APIError:
+    return APIError(503, str(err), code="service_unavailable",
+                    headers={"Retry-After": str(max(1, math.ceil(err.retry_after_s)))})
 
 
 def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> _Model:
@@ -100,6 +124,8 @@ def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> _Mo
     not_found, disabled = deps.registry_errors
     try:
         rec = deps.resolver.resolve(ref.adapter, tenant, request_id=request_id)
+    except DependencyUnavailable as e:
+        raise _unavailable(e) from None
     except not_found:
         raise APIError(404, f"The model {model!r} does not exist or you do not have access to it.",
                        code="model_not_found", param="model") from None
@@ -108,7 +134,7 @@ def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> _Mo
     if rec.base_model != deps.base_name:
         raise APIError(404, f"The model {model!r} is not served on base {deps.base_name!r}.",
                        code="model_not_found", param="model")
-    return _Model(adapter_key(rec.name, rec.version), rec.name, rec.visibility != "public")
+    return _Model(str(AdapterKey(rec.name, rec.version)), rec.name, rec.visibility != "public", rec)
 
 
 def _sampling(body: Any, default_tokens: int, limit: int) -> tuple[dict[str, Any], bool]:
@@ -120,6 +146,9 @@ def _sampling(body: Any, default_tokens: int, limit: int) -> tuple[dict[str, Any
 
 def _validation_error(err: RequestValidationError) -> APIError:
     first = err.errors()[0] if err.errors() else {}
+    if first.get("type") == "json_invalid":  # its loc is the offset of the error in the body, not a field
+        return APIError(400, f"Invalid request: the body is not valid JSON ({first.get('msg', '')})",
+                        code="invalid_request")
     # pydantic adds the union member it tried ("list[...]", "function-after[...]"): not part of the path
     loc = [str(x) for x in first.get("loc", ()) if x != "body" and not ("[" in str(x) or "(" in str(x))]
     param = loc[0] if loc else None
@@ -151,6 +180,10 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
         return answer(APIError(err.status_code, str(err.detail), code=code))
 
+    @app.exception_handler(DependencyUnavailable)
+    async def _dependency(_: Request, err: DependencyUnavailable) -> JSONResponse:
+        return answer(_unavailable(err))
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:
         logger.exception("unhandled error in the data plane")
@@ -162,11 +195,32 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         m.http_errors.labels("413", err.code).inc()
         return 413, err.body()
 
-    app.add_middleware(BodyLimit, limit=deps.max_request_bytes, refuse=too_large)
+    app.add_middleware(BodyLimit, limit=deps.max_request_bytes, refuse=too_large, exempt=deps.upload_prefix)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        """The data plane's routes and bodies (`/openapi.json`) as one self-contained page."""
+        return HTMLResponse(api_docs_page(app.openapi()))
 
     @app.get("/health")
     async def health() -> dict:
+        """Liveness: the ingress answers (what the pods' probes ask)."""
         return {"status": "ok"}
+
+    ready: dict[str, Any] = {"at": -1.0}
+
+    @app.get("/ready")
+    async def readiness() -> JSONResponse:
+        """Whether every dependency answers (asked at most once a second): 503 while one does not; the data plane
+        meanwhile serves the adapters it resolved before."""
+        if deps.readiness is None:
+            return JSONResponse({"status": "ready", "dependencies": {}})
+        if deps.clock() - ready["at"] >= 1.0:
+            ready["status"], ready["at"] = await run_in_threadpool(deps.readiness), deps.clock()
+        up = dict(ready["status"])
+        body = {"status": "ready" if all(up.values()) else "not ready",
+                "dependencies": {d: "up" if ok else "down" for d, ok in up.items()}}
+        return JSONResponse(body, status_code=200 if all(up.values()) else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -177,8 +231,11 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         return Response(m.render(), media_type=CONTENT_TYPE)
 
     def authenticated(request: Request) -> str:
-        # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first.
-        return _tenant(deps, request)
+        # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first, and a tenant
+        # over its rate is 429 before its body is parsed.
+        tenant = _tenant(deps, request)
+        _take(deps, "tenant", tenant)
+        return tenant
 
     def visible(records) -> list[tuple[str, Optional[str]]]:
         """(name, owner tenant or None when public) of the adapters on this base, from the resolver's listing."""
@@ -217,22 +274,18 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         raise APIError(404, f"The model {model_id!r} does not exist or you do not have access to it.",
                        code="model_not_found", param="model")
 
-    async def _run(tenant: str, body: Any, chat: bool) -> Response:
+    async def _run(request: Request, tenant: str, body: Any, chat: bool) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        label = "-"
+        label, shown_tenant = "-", tenant if deps.metrics_token is not None else PRIVATE
         try:
             target = await run_in_threadpool(_resolve, deps, body.model, tenant, rid)
             redact = target.private and deps.metrics_token is None
             label = PRIVATE if redact else target.name
             sampling, explicit = _sampling(body, deps.default_chat_tokens if chat else deps.default_completion_tokens,
                                            deps.max_tokens_limit)
-            try:
-                deps.limiter.check(tenant, None if target.key is None else target.name)
-            except RateLimited as e:
-                m.rate_limited.labels(e.scope).inc()
-                raise APIError(429, str(e), code="rate_limit_exceeded",
-                               headers={"Retry-After": RateLimiter.retry_after_header(e)}) from None
-            common = dict(n=body.n, max_tokens_explicit=explicit, submitted_at=deps.clock())
+            if target.key is not None:
+                _take(deps, "adapter", target.name)
+            common = dict(n=body.n, max_tokens_explicit=explicit, submitted_at=deps.clock(), adapter_record=target.record)
             if chat:
                 messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
                 req = GenerateRequest(rid, target.key, sampling, messages=messages, **common)
@@ -242,13 +295,13 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
                 req = GenerateRequest(rid, target.key, sampling, prompt=body.prompt[0], **common)
             else:
                 req = GenerateRequest(rid, target.key, sampling, prompts=list(body.prompt), **common)
-            run = StreamRun(deps, req, tenant, label, chat, body.model, logprobs=sampling["logprobs"] is not None,
+            run = StreamRun(deps, req, shown_tenant, label, chat, body.model, logprobs=sampling["logprobs"] is not None,
                             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                            redact=redact)
+                            redact=redact, request_id_header="x-request-id" not in request.headers)
             await run.begin()  # errors before the first token still become plain HTTP errors
         except APIError as err:
-            m.requests.labels(label, tenant, str(err.status)).inc()
-            m.errors.labels(label, tenant, err.code or "error").inc()
+            m.requests.labels(label, shown_tenant, str(err.status)).inc()
+            m.errors.labels(label, shown_tenant, err.code or "error").inc()
             raise
         if body.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream",
@@ -256,12 +309,13 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         return JSONResponse(await run.collect(), headers=run.headers())
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, tenant: str = Depends(authenticated)) -> Response:
-        return await _run(tenant, body, chat=False)
+    async def completions(request: Request, body: CompletionRequest, tenant: str = Depends(authenticated)) -> Response:
+        return await _run(request, tenant, body, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, tenant: str = Depends(authenticated)) -> Response:
-        return await _run(tenant, body, chat=True)
+    async def chat_completions(request: Request, body: ChatCompletionRequest,
+                               tenant: str = Depends(authenticated)) -> Response:
+        return await _run(request, tenant, body, chat=True)
 
     if deps.admin_app is not None:
         app.mount(deps.admin_prefix, deps.admin_app)

@@ -95,6 +95,13 @@ class _Sampling(_Body):
             raise ValueError(f"stop: up to {MAX_STOP} non-empty strings")
         return stops
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: Optional[StreamOptions], info: ValidationInfo) -> Optional[StreamOptions]:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")  # as OpenAI answers
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: Optional[dict[str, float]]) -> dict[int, float]:

@@ -40,9 +40,9 @@ def replica_share(view: PlacementView, replica_id: str) -> dict[str, Any]:
 @serve.deployment(name="PlacementController", num_replicas=1, max_ongoing_requests=1000,
                   logging_config={"enable_access_log": False})
 class PlacementControllerDeployment:
-    async def __init__(self, placement: dict[str, Any], device_slots: int, host_slots: int, period_s: float = 1.0,
+    async def __init__(self, placement: PlacementConfig, device_slots: int, host_slots: int, period_s: float = 1.0,
                        replica_ttl_s: float = 10.0):
-        self.controller = PlacementController(PlacementConfig(**placement), device_slots, host_slots,
+        self.controller = PlacementController(placement, device_slots, host_slots,
                                               replica_ttl_s=replica_ttl_s)
         self.period_s = period_s
         self._reports: dict[str, dict[str, Any]] = {}  # replica id -> its latest LLMServer.report()

@@ -6,7 +6,7 @@ Chunks are plain dicts (cheap to pickle through Ray), in this order:
       logprobs: None, or one [token text, logprob, [[text, logprob], ...top]] per token of the delta
   {"type": "end", "finish_reason" (choice 0's), "completion_tokens" (all choices'), "finish_reasons": {index: reason},
    "choice_tokens": {index: n}, "prompt_tokens", "snapshot"}
-or at any point {"type": "error", "status", "code", "message"[, "param"]} as the last chunk.
+or at any point {"type": "error", "status", "code", "message"[, "param"][, "retry_after_s"]} as the last chunk.
 A request has `len(inputs()) * n` choices; choice `i * n + j` is sample j of prompt i.
 """
 
@@ -25,7 +25,7 @@ class ReplicaUnavailable(Exception):
 @dataclass
 class GenerateRequest:
     request_id: str
-    adapter_key: Optional[str]  # "name@version" as resolved by the ingress; None: base model
+    adapter_key: Optional[str]  # "name@version" (router.AdapterKey) as resolved by the ingress; None: base model
     sampling: dict[str, Any]  # engine SamplingParams fields
     prompt: Optional[str] = None
     prompt_token_ids: Optional[list[int]] = None
@@ -35,6 +35,7 @@ class GenerateRequest:
     max_tokens_explicit: bool = True  # False: a default, cut to the room the context leaves instead of a 400
     submitted_at: float = 0.0  # ingress wall clock, for queue time
     labels: dict[str, str] = field(default_factory=dict)
+    adapter_record: Any = None  # the registry's AdapterRecord the ingress resolved: the replica loads from it
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages, self.prompts))
@@ -54,6 +55,11 @@ class GenerateRequest:
         return max(1, len(self.inputs())) * self.n
 
 
-def error_chunk(status: int, code: str, message: str, param: Optional[str] = None) -> dict[str, Any]:
+def error_chunk(status: int, code: str, message: str, param: Optional[str] = None,
+                retry_after_s: Optional[float] = None) -> dict[str, Any]:
     chunk = {"type": "error", "status": status, "code": code, "message": message}
-    return chunk if param is None else {**chunk, "param": param}
+    if param is not None:
+        chunk["param"] = param
+    if retry_after_s is not None:
+        chunk["retry_after_s"] = retry_after_s
+    return chunk

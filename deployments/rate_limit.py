@@ -1,24 +1,26 @@
 """Token-bucket rate limits per tenant and per adapter, and the cold-load concurrency gate.
 
-`RateLimiter` keeps its buckets in the ingress replica: with N ingress replicas a tenant may get
-up to N times its rate. `RedisRateLimiter` keeps them in Redis (one atomic script per request,
-Redis's clock), so every ingress replica draws from the same buckets; it is used when Redis is
-configured, and falls back to the local buckets while Redis is unreachable. The local clock is
+A request takes one token from its tenant's bucket once its API key is known, before its body is read (so
+a malformed request costs its caller like any other), and one from its adapter's bucket once its model is
+resolved. `RateLimiter` keeps its buckets in the ingress replica: with N ingress replicas a tenant may get
+up to N times its rate. `RedisRateLimiter` keeps them in Redis (one atomic script per take, Redis's clock), so
+every ingress replica draws from the same buckets; while Redis is unreachable it uses the local buckets, and
+tries Redis again only every `DependencyHealth.retry_s` (one log line per outage). The local clock is
 injected so tests need no sleeps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping
+
+from deployments.dependency_health import DependencyHealth
 
 __all__ = ["TokenBucket", "RateLimiter", "RedisRateLimiter", "RateLimited", "ColdLoadGate"]
 
-logger = logging.getLogger(__name__)
 
 
 class RateLimited(Exception):
@@ -60,7 +62,8 @@ class TokenBucket:
 
 @dataclass
 class RateLimiter:
-    """`check(tenant, adapter)` takes one token from both buckets, or none and raises."""
+    """`take(scope, key)` takes one token from the bucket of `key` in `scope` ("tenant" or "adapter"), or raises
+    RateLimited and takes none."""
 
     tenant_default: tuple[float, float]  # (rate, burst)
     adapter_default: tuple[float, float]
@@ -69,86 +72,68 @@ class RateLimiter:
     clock: Callable[[], float] = time.monotonic
     _buckets: dict[tuple[str, str], TokenBucket] = field(default_factory=dict)
 
-    def _bucket(self, scope: str, key: str, now: float) -> TokenBucket:
-        b = self._buckets.get((scope, key))
-        if b is None:
-            default, overrides = (
-                (self.tenant_default, self.tenant_overrides)
-                if scope == "tenant"
-                else (self.adapter_default, self.adapter_overrides)
-            )
-            rate, burst = overrides.get(key, default)
-            b = self._buckets[(scope, key)] = TokenBucket(rate, burst, stamp=now)
-        return b
+    def spec(self, scope: str, key: str) -> tuple[float, float]:
+        """(rate, burst) of the bucket of `key` in `scope`."""
+        default, overrides = ((self.tenant_default, self.tenant_overrides) if scope == "tenant"
+                              else (self.adapter_default, self.adapter_overrides))
+        return overrides.get(key, default)
 
-    def check(self, tenant: str, adapter: Optional[str]) -> None:
+    def take(self, scope: str, key: str) -> None:
         now = self.clock()
-        buckets = [("tenant", tenant, self._bucket("tenant", tenant, now))]
-        if adapter:
-            buckets.append(("adapter", adapter, self._bucket("adapter", adapter, now)))
-        for scope, key, bucket in buckets:  # all or nothing: a refusal charges no bucket
-            if not bucket.can_take(now):
-                raise RateLimited(scope, key, bucket.wait_time(now))
-        for _, _, bucket in buckets:
-            bucket.take(now)
+        bucket = self._buckets.get((scope, key))
+        if bucket is None:
+            bucket = self._buckets[(scope, key)] = TokenBucket(*self.spec(scope, key), stamp=now)
+        if not bucket.can_take(now):  # a refusal takes nothing
+            raise RateLimited(scope, key, bucket.wait_time(now))
+        bucket.take(now)
 
     @staticmethod
     def retry_after_header(err: RateLimited) -> str:
         return str(max(1, math.ceil(err.retry_after_s)))
 
 
-# KEYS: bucket keys; ARGV: rate_1, burst_1, rate_2, burst_2, ...  Returns {0, ""} when a token was taken from
-# every bucket, else {i, wait_s} for the first bucket i (1-based) without one, charging none (all or nothing).
+# KEYS: the bucket's key; ARGV: rate, burst. Returns "" when a token was taken, else the seconds to wait.
 _TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local state = {}
-for i = 1, #KEYS do
-  local rate, burst = tonumber(ARGV[2 * i - 1]), tonumber(ARGV[2 * i])
-  local v = redis.call('HMGET', KEYS[i], 'tokens', 'stamp')
-  local tokens, stamp = tonumber(v[1]) or burst, tonumber(v[2]) or now
-  if now > stamp then
-    tokens = math.min(burst, tokens + (now - stamp) * rate)
-    stamp = now
-  end
-  if tokens < 1 then
-    return {i, tostring((1 - tokens) / rate)}
-  end
-  state[i] = {tokens - 1, stamp, math.ceil(burst / rate * 1000) + 1000}
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local v = redis.call('HMGET', KEYS[1], 'tokens', 'stamp')
+local tokens, stamp = tonumber(v[1]) or burst, tonumber(v[2]) or now
+if now > stamp then
+  tokens = math.min(burst, tokens + (now - stamp) * rate)
+  stamp = now
 end
-for i = 1, #KEYS do
-  redis.call('HSET', KEYS[i], 'tokens', tostring(state[i][1]), 'stamp', tostring(state[i][2]))
-  redis.call('PEXPIRE', KEYS[i], state[i][3])
+if tokens < 1 then
+  return tostring((1 - tokens) / rate)
 end
-return {0, ''}
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'stamp', tostring(stamp))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return ''
 """
+RATE_LIMIT_REDIS = "rate-limit Redis"
 
 
 class RedisRateLimiter:
     """`RateLimiter`'s contract with the buckets in Redis, shared by every ingress replica."""
 
-    def __init__(self, url: str, local: RateLimiter, prefix: str = "loraserve:ratelimit"):
+    def __init__(self, url: str, local: RateLimiter, health: DependencyHealth, prefix: str = "loraserve:ratelimit"):
         import redis
 
-        self.local, self.prefix = local, prefix
+        self.local, self.health, self.prefix = local, health, prefix
         self._redis = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
         self._take = self._redis.register_script(_TAKE)
-        self._errors = (redis.RedisError, OSError)
+        self._errors = (redis.ConnectionError, redis.TimeoutError, OSError)
 
-    def check(self, tenant: str, adapter: Optional[str]) -> None:
-        scopes = [("tenant", tenant)] + ([("adapter", adapter)] if adapter else [])
-        args: list[float] = []
-        for scope, key in scopes:
-            defaults, overrides = ((self.local.tenant_default, self.local.tenant_overrides) if scope == "tenant"
-                                   else (self.local.adapter_default, self.local.adapter_overrides))
-            args += list(overrides.get(key, defaults))
+    def take(self, scope: str, key: str) -> None:
+        if not self.health.should_try(RATE_LIMIT_REDIS):
+            return self.local.take(scope, key)
         try:
-            failed, wait = self._take(keys=[f"{self.prefix}:{s}:{k}" for s, k in scopes], args=args)
-        except self._errors:
-            logger.warning("rate limits: Redis unreachable, using this replica's buckets", exc_info=True)
-            return self.local.check(tenant, adapter)
-        if int(failed):
-            scope, key = scopes[int(failed) - 1]
+            wait = self._take(keys=[f"{self.prefix}:{scope}:{key}"], args=list(self.local.spec(scope, key)))
+        except self._errors as e:
+            self.health.failed(RATE_LIMIT_REDIS, e)
+            return self.local.take(scope, key)
+        self.health.ok(RATE_LIMIT_REDIS)
+        if wait:
             raise RateLimited(scope, key, float(wait))
 
     @staticmethod

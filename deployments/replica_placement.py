@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from deployments.adapter_cache import split_key
+from router.keys import AdapterKey
 from router.placement import TIER_COLD, TIER_NAMES, PlacementConfig, bump_count, eviction_key
 
 __all__ = ["ReplicaPlacement"]
@@ -20,7 +20,7 @@ class ReplicaPlacement:
         self._usage: dict[str, tuple[float, float]] = {}  # key -> (decayed requests, last request)
 
     def tier(self, key: str) -> int:
-        tier = self.share["tiers"].get(split_key(key)[0])
+        tier = self.share["tiers"].get(AdapterKey.family(key))
         return TIER_COLD if tier is None else TIER_NAMES.index(tier)
 
     def homes(self) -> list[str]:
@@ -33,9 +33,9 @@ class ReplicaPlacement:
         return sorted((ft for ft in tiers if ft[1] != TIER_COLD), key=lambda ft: (ft[1], ft[0]))
 
     def victim_key(self, key: str) -> tuple:
-        """`AdapterCache` evicts the smallest: homed elsewhere, then tier, then decayed requests."""
+        """The engine's host cache evicts the smallest (ReplicaAdapters.choose_victim): homed elsewhere, then tier, then decayed requests."""
         count, stamp = self._usage.get(key, (0.0, 0.0))
-        home = split_key(key)[0] in self.share["tiers"]
+        home = AdapterKey.family(key) in self.share["tiers"]
         return eviction_key(home, self.tier(key), count, stamp, self.cfg.half_life_s)
 
     def protected(self, key: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
@@ -35,11 +36,22 @@ class _Choice:
     tokens: int = 0
 
 
+def _chunk_error(chunk: dict) -> APIError:
+    """A replica's error chunk as the HTTP error it stands for (a 503 says when to retry)."""
+    retry = chunk.get("retry_after_s")
+    headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
+    return APIError(chunk["status"], chunk["message"], code=chunk["code"], param=chunk.get("param"), headers=headers)
+
+
 class StreamRun:
     def __init__(self, deps: "IngressDeps", req: GenerateRequest, tenant: str, adapter: str, chat: bool,
-                 model: str, include_usage: bool = False, logprobs: bool = False, redact: bool = False):
+                 model: str, include_usage: bool = False, logprobs: bool = False, redact: bool = False,
+                 request_id_header: bool = True):
+        """`tenant`, `adapter`: their labels in /metrics; `request_id_header`: answer with `x-request-id` (not
+        when the request carried one, which Serve's proxy echoes itself)."""
         self.deps, self.req, self.tenant, self.adapter, self.chat = deps, req, tenant, adapter, chat
         self.model, self.include_usage, self.want_logprobs, self.redact = model, include_usage, logprobs, redact
+        self.request_id_header = request_id_header
         self.labels = (adapter, tenant)
         self._it: Optional[AsyncIterator[dict]] = None
         self._gated = False
@@ -76,7 +88,7 @@ class StreamRun:
         self.deps.metrics.running.inc()
         first = await self._open()
         if first["type"] == "error":
-            await self._fail(APIError(first["status"], first["message"], code=first["code"], param=first.get("param")))
+            await self._fail(_chunk_error(first))
         self._on_start(first)
 
     async def _open(self) -> dict:
@@ -161,7 +173,7 @@ class StreamRun:
         self._first_token_t = None
         first = await self._open()
         if first["type"] == "error":
-            raise APIError(first["status"], first["message"], code=first["code"])
+            raise _chunk_error(first)
         self._on_start(first)
 
     # ------------------------------------------------------------------ chunks
@@ -219,7 +231,7 @@ class StreamRun:
             elif kind == "end":
                 self._on_end(chunk)
             elif kind == "error":
-                raise APIError(chunk["status"], chunk["message"], code=chunk["code"])
+                raise _chunk_error(chunk)
 
     def _on_end(self, chunk: dict) -> None:
         m = self.deps.metrics
@@ -243,7 +255,7 @@ class StreamRun:
     # ------------------------------------------------------------------ outputs
     def headers(self) -> dict[str, str]:
         """Which replica served the request and whether it already held the adapter (benchmarks)."""
-        out = {"x-request-id": self.req.request_id}
+        out = {"x-request-id": self.req.request_id} if self.request_id_header else {}
         if self.req.adapter_key:
             out["x-loraserve-adapter"] = self.req.adapter_key  # name@version: which canary/version served
         if self.replica:

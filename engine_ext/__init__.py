@@ -3,8 +3,9 @@ speculative LoRA-off drafting."""
 
 from .async_engine import AsyncLLMEngine
 from .config import EngineConfig, SpecConfig
+from .errors import InvalidParameterError, PromptTooLongError, RequestRefused
 from .kernels import KernelSettings
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, StepContext
 from .lora_adapter import AdapterError
 from .model_config import ModelLoadError
 from .sampling_params import SamplingParams
@@ -14,10 +15,14 @@ __all__ = [
     "AdapterError",
     "AsyncLLMEngine",
     "EngineConfig",
+    "InvalidParameterError",
     "KernelSettings",
     "LLMEngine",
     "ModelLoadError",
+    "PromptTooLongError",
+    "RequestRefused",
     "RequestOutput",
     "SamplingParams",
     "SpecConfig",
+    "StepContext",
 ]

@@ -1,12 +1,17 @@
 """Which adapters the engine knows, which are parsed in host memory (LRU, `max_cpu_loras`) and which
 sit in device slots. Parsing from disk happens off the step loop, and each adapter is packed there once
 into a (pinned) host buffer laid out like a slot; the step loop only issues the copy of that buffer,
-which on a GPU runs beside the steps on a side stream, so a cold adapter does not stall other requests."""
+which on a GPU runs beside the steps on a side stream, so a cold adapter does not stall other requests.
+
+The host cache is the one record of which adapters are parsed in host memory: a serving layer asks it
+(`host_resident`) rather than keeping a second list, and may order its evictions (`host_eviction`)."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -28,6 +33,9 @@ class AdapterManager:
         self.pinned: set[str] = set()
         self.stats = stats or EngineStats()  # loads and disk loads per adapter (the engine's stats object)
         self._host: OrderedDict[str, PackedAdapter] = OrderedDict()
+        # Which host-resident adapter goes when the cache is over `max_cpu_loras`: called with the unpinned
+        # candidates, least recently used first; None keeps them all for now. Default: least recently used.
+        self.host_eviction: Callable[[list[str]], str | None] = lambda candidates: candidates[0]
         self._loading: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
@@ -71,14 +79,21 @@ class AdapterManager:
         return name in self.paths
 
     def _parse(self, name: str, path: str) -> PackedAdapter:
+        start = time.perf_counter()
         weights = load_lora_adapter(name, path, self.spec, self.max_rank, self.model_dir)
-        return pack_adapter(weights, self.spec, self.dtype, pin=self.device.type == "cuda")
+        packed = pack_adapter(weights, self.spec, self.dtype, pin=self.device.type == "cuda")
+        with self._lock:
+            stats = self.stats.adapter(name)
+            stats.disk_loads += 1
+            stats.disk_load_seconds += time.perf_counter() - start
+        return packed
 
     def _put_host(self, packed: PackedAdapter) -> None:
         self._host[packed.name] = packed
         self._host.move_to_end(packed.name)
         while len(self._host) > self.max_cpu_loras:
-            victim = next((n for n in self._host if n not in self.pinned and n != packed.name), None)
+            candidates = [n for n in self._host if n not in self.pinned and n != packed.name]
+            victim = self.host_eviction(candidates) if candidates else None
             if victim is None:
                 break
             del self._host[victim]
@@ -117,7 +132,6 @@ class AdapterManager:
             with self._lock:
                 if name in self.paths:
                     self._put_host(packed)
-                    self.stats.adapter(name).disk_loads += 1
         finally:
             with self._lock:
                 self._loading.pop(name, None)

@@ -10,7 +10,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from .config import EngineConfig
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, StepContext
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
@@ -23,10 +23,10 @@ class AsyncLLMEngine:
         self.engine = engine or LLMEngine(config)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # New requests apart from other commands: a speculative cycle takes them in between its passes
-        # (LLMEngine.intake); aborts and the rest wait for the step to end.
+        # (StepContext.arrivals); aborts and the rest wait for the step to end.
         self._arrivals: queue.SimpleQueue = queue.SimpleQueue()
-        self.engine.intake = self._take_arrivals
-        self.engine.publish = self._publish  # first tokens computed in a cycle's drafting pass, before it ends
+        # First tokens computed in a cycle's drafting pass go out before the step ends (StepContext.publish)
+        self._context = StepContext(arrivals=self._take_arrivals, publish=self._publish)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
@@ -51,7 +51,7 @@ class AsyncLLMEngine:
                 continue
             try:
                 with self._lock:
-                    outs = self.engine.step()
+                    outs = self.engine.step(self._context)
             except Exception as e:  # never die silently: fail every open stream, keep the loop alive
                 logger.exception("engine step failed")
                 self._fail_all(e)
@@ -59,7 +59,7 @@ class AsyncLLMEngine:
             self._publish(outs)
 
     def _publish(self, outs) -> None:
-        """Hand outputs to their streams: a step's, and first tokens published during one (LLMEngine.publish)."""
+        """Hand outputs to their streams: a step's, and first tokens published during one (StepContext.publish)."""
         for out in outs:
             self._deliver(out.request_id, out)
 
@@ -70,9 +70,7 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.seqs):
-            self.engine.abort_request(rid)
-            self.engine.seqs.pop(rid, None)
+        for rid in self.engine.abort_all():
             self._deliver(rid, (_FAILED, error))
 
     def _take_arrivals(self) -> None:
@@ -133,6 +131,23 @@ class AsyncLLMEngine:
 
     def has_adapter(self, name: str) -> bool:
         return self.engine.has_adapter(name)
+
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        self.engine.pin_adapter(name, pinned)
+
+    def host_adapters(self) -> list[str]:
+        return self.engine.host_adapters()
+
+    def set_host_eviction(self, choose) -> None:
+        self.engine.set_host_eviction(choose)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def is_alive(self) -> bool:
+        """The step loop's thread is running (it outlives a failed step: see `_loop`)."""
+        return self._thread.is_alive()
 
     def stats(self) -> dict:
         with self._lock:

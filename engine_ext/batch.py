@@ -11,7 +11,7 @@ import torch
 from .attention import AttnMetadata
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqWork:
     """One sequence's share of a forward: compute positions [start, start + len(token_ids))."""
 
@@ -20,6 +20,11 @@ class SeqWork:
     block_table: list[int]
     lora_slot: int
     num_logits: int = 1  # next-token logits wanted for the last `num_logits` query tokens
+    # Positions on the device: when >= 0, every token's position is start + i + shifts[shift] (the forward's shift
+    # tensor: how many more tokens an earlier step still in flight committed for this sequence than the host
+    # assumed), at most shift_max more; its KV slots are then computed on the device from its block table.
+    shift: int = -1
+    shift_max: int = 0
 
 
 # Rows of a packed forward's per-token metadata, `rows[NUM_ROWS, tokens]` (int64). Tokens are sequence-major.
@@ -30,11 +35,16 @@ SEQ = 3  # its sequence: the row of the block tables
 QIDX = 4  # its index among its sequence's query tokens
 LORA = 5  # its adapter slot
 LOGITS = 6  # not per token: the flat token rows whose next-token logits are wanted, sequence-major
-NUM_ROWS = 7
+NUM_ROWS = 7  # the rows the model reads
+# Rows read before the forward, on the device (`apply_sources`): where a token's input id comes from in a device token
+# tensor, and which entry of a device shift tensor moves its position (-1: neither).
+TOKEN_SRC = 7
+SHIFT_SRC = 8
+BUFFER_ROWS = 9
 
 
 def pack_forward(work: list[SeqWork], block_size: int, zero_slot: int, rows: np.ndarray, tables: np.ndarray,
-                 pad_to: int | None = None, pad_block: int = 0) -> tuple[int, int]:
+                 pad_to: int | None = None, pad_block: int = 0, token_src: list[int] | None = None) -> tuple[int, int]:
     """Fill `rows` ([>= NUM_ROWS, >= T] int64) and `tables` ([>= B, W] int64) for one forward of T tokens from B
     sequences, with N logits rows; returns (T, N). The one packer of the eager and the CUDA-graph forwards.
 
@@ -68,6 +78,15 @@ def pack_forward(work: list[SeqWork], block_size: int, zero_slot: int, rows: np.
     rows[LORA, :num_tokens] = lora[seq]
     # Flat logits row k, of sequence i, is token ends[i] - (log_ends[i] - k): the sequence's last tokens in order.
     rows[LOGITS, :num_logits] = np.repeat(ends - log_ends, nlog) + np.arange(num_logits)
+    if rows.shape[0] >= BUFFER_ROWS:  # the device-side sources (a buffer with room for them)
+        width = pad_to if pad_to is not None else num_tokens
+        rows[TOKEN_SRC, :width] = -1
+        if token_src is not None:
+            rows[TOKEN_SRC, :num_tokens] = token_src
+        rows[SHIFT_SRC, :width] = -1
+        rows[SHIFT_SRC, :num_tokens] = np.array([w.shift for w in work], dtype=np.int64)[seq]
+    elif token_src is not None:
+        raise ValueError("token_src needs a buffer with the source rows (BUFFER_ROWS)")
     if pad_to is not None:
         pad = slice(num_tokens, pad_to)
         rows[:NUM_ROWS, pad] = 0
@@ -79,13 +98,21 @@ def pack_forward(work: list[SeqWork], block_size: int, zero_slot: int, rows: np.
     return num_tokens, num_logits
 
 
-def token_moves(token_src: list[int] | None) -> tuple[np.ndarray, np.ndarray]:
-    """(dst, src): flat tokens whose input id comes from the caller's device tensor, and the entries they read."""
-    if token_src is None:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    src = np.asarray(token_src, dtype=np.int64)
-    dst = np.flatnonzero(src >= 0)
-    return dst, src[dst]
+def apply_sources(rows: torch.Tensor, tables: torch.Tensor, block_size: int, tokens: torch.Tensor | None,
+                  shifts: torch.Tensor | None) -> None:
+    """On the device, in place on packed rows [BUFFER_ROWS, T]: ids[t] = tokens[TOKEN_SRC[t]] where TOKEN_SRC >= 0;
+    pos[t] += shifts[SHIFT_SRC[t]] where SHIFT_SRC >= 0, then KV_SLOT[t] = tables[SEQ[t], pos[t] // block_size] *
+    block_size + pos[t] % block_size. Shape-static: no host sync, the same launches for any sources."""
+    if tokens is not None:
+        src = rows[TOKEN_SRC]
+        rows[IDS] = torch.where(src >= 0, tokens[src.clamp_min(0)], rows[IDS])
+    if shifts is not None:
+        src = rows[SHIFT_SRC]
+        moved = src >= 0
+        pos = rows[POS] + torch.where(moved, shifts[src.clamp_min(0)], 0)
+        block = tables[rows[SEQ], pos // block_size]
+        rows[KV_SLOT] = torch.where(moved, block * block_size + pos % block_size, rows[KV_SLOT])
+        rows[POS] = pos
 
 
 @dataclass
@@ -100,26 +127,41 @@ class ForwardBatch:
 
 
 def build_forward_batch(work: list[SeqWork], block_size: int, zero_slot: int, device: torch.device,
-                        limits: ForwardLimits | None = None) -> ForwardBatch:
-    """pack_forward unpadded into fresh host arrays, moved to `device` in two copies. With `limits` (debug mode)
-    the packed indices are bounds-checked first (check_packed)."""
+                        limits: ForwardLimits | None = None, staging=None, token_src: list[int] | None = None,
+                        tokens: torch.Tensor | None = None, shifts: torch.Tensor | None = None) -> ForwardBatch:
+    """pack_forward unpadded into host buffers (a set of `staging`, engine_ext.staging.Staging, pinned on a GPU;
+    without it fresh arrays), moved to `device` in two non-blocking copies; then the device-side sources applied
+    (`apply_sources`: input ids from `tokens` per `token_src`, positions moved by `shifts` per SeqWork.shift). With
+    `limits` (debug mode) the packed indices are bounds-checked first (check_packed)."""
     num_tokens = sum(len(w.token_ids) for w in work)
     # Each row of the packed buffer is one kernel argument: a row stride of a multiple of 16 elements keeps every
     # row 128-byte aligned whatever the token count, so the kernels (which Triton specialises on 16-byte
     # alignment) see the alignment they were compiled for at warm-up.
-    buffer = np.empty((NUM_ROWS, -(-num_tokens // 16) * 16), dtype=np.int64)
+    cols = -(-num_tokens // 16) * 16
+    width = max(len(w.block_table) for w in work)
+    host = staging.take(cols, len(work), width) if staging is not None else None
+    buffer = host.np_rows[:, :cols] if host is not None else np.empty((BUFFER_ROWS, cols), dtype=np.int64)
     rows = buffer[:, :num_tokens]
-    tables = np.empty((len(work), max(len(w.block_table) for w in work)), dtype=np.int64)
-    num_tokens, num_logits = pack_forward(work, block_size, zero_slot, rows, tables)
+    tables = host.np_tables[: len(work), :width] if host is not None else np.empty((len(work), width), np.int64)
+    num_tokens, num_logits = pack_forward(work, block_size, zero_slot, rows, tables, token_src=token_src)
     if limits is not None:
         check_packed(rows, tables, len(work), num_tokens, num_logits, limits)
-    r = [row[:num_tokens] for row in torch.from_numpy(buffer).to(device).unbind()]
+    moved = [torch.from_numpy(a) for a in (buffer, tables)]
+    if host is not None and host.copied is not None:  # pinned: copied without the host waiting, then the set is free
+        moved = [torch.empty(a.shape, dtype=a.dtype, device=device).copy_(a, non_blocking=True) for a in moved]
+        host.copied.record()
+    else:
+        moved = [a.to(device) for a in moved]
+    dev_rows, dev_tables = moved
+    if tokens is not None or shifts is not None:
+        apply_sources(dev_rows[:, :num_tokens], dev_tables, block_size, tokens, shifts)
+    r = [row[:num_tokens] for row in dev_rows.unbind()]
     return ForwardBatch(
         input_ids=r[IDS],
         attn=AttnMetadata(
             positions=r[POS],
             slot_mapping=r[KV_SLOT],
-            block_tables=torch.from_numpy(tables).to(device),
+            block_tables=dev_tables,
             token_seq=r[SEQ],
             token_qidx=r[QIDX],
             max_query_len=max(len(w.token_ids) for w in work),
@@ -148,8 +190,9 @@ class ForwardInputError(ValueError):
 def check_work(work: list[SeqWork], limits: ForwardLimits, tokens_len: int | None = None,
                token_src: list[int] | None = None) -> None:
     """Raise ForwardInputError unless every index `work` implies is in bounds: token ids < vocab, positions <
-    max_positions, each position's block in the sequence's table, block ids < num_blocks, adapter slots <
-    num_slots, 1 <= num_logits <= tokens; and each token_src entry < tokens_len (the device token buffer)."""
+    max_positions, each position's block in the sequence's table (shifted positions up to their shift_max), block
+    ids < num_blocks, adapter slots < num_slots, 1 <= num_logits <= tokens; and each token_src entry < tokens_len
+    (the device token buffer)."""
     if not work:
         raise ForwardInputError("a forward needs at least one work item")
     for i, w in enumerate(work):
@@ -157,13 +200,13 @@ def check_work(work: list[SeqWork], limits: ForwardLimits, tokens_len: int | Non
         where = f"work item {i} (start {w.start}, {n} tokens, slot {w.lora_slot})"
         if n == 0 or not 1 <= w.num_logits <= n:
             raise ForwardInputError(f"{where}: num_logits {w.num_logits} must be in [1, {n}]")
-        if w.start < 0 or w.start + n > limits.max_positions:
-            raise ForwardInputError(f"{where}: positions up to {w.start + n - 1} exceed {limits.max_positions - 1}")
+        end = w.start + n + max(0, w.shift_max) * (w.shift >= 0)  # past its last position, shifted at most
+        if w.start < 0 or end > limits.max_positions:
+            raise ForwardInputError(f"{where}: positions up to {end - 1} exceed {limits.max_positions - 1}")
         if min(w.token_ids) < 0 or max(w.token_ids) >= limits.vocab_size:
             raise ForwardInputError(f"{where}: a token id is outside [0, {limits.vocab_size})")
-        if -(-(w.start + n) // limits.block_size) > len(w.block_table):
-            raise ForwardInputError(f"{where}: its {len(w.block_table)} KV blocks do not cover position "
-                                    f"{w.start + n - 1}")
+        if -(-end // limits.block_size) > len(w.block_table):
+            raise ForwardInputError(f"{where}: its {len(w.block_table)} KV blocks do not cover position {end - 1}")
         if w.block_table and (min(w.block_table) < 0 or max(w.block_table) >= limits.num_blocks):
             raise ForwardInputError(f"{where}: a block id is outside [0, {limits.num_blocks})")
         if not 0 <= w.lora_slot < limits.num_slots:

@@ -37,7 +37,9 @@ class SpecConfig:
 
 @dataclass
 class EngineConfig:
-    model: str
+    # The Hugging Face model directory. None: settings checked before the directory is known (a serving
+    # layer's config, resolved where the model is); an engine needs one.
+    model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     max_loras: int = 8  # adapter slots on the device
@@ -87,7 +89,7 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.torch_dtype = _DTYPES[self.dtype]
-        if not os.path.isdir(self.model):
+        if self.model is not None and not os.path.isdir(self.model):
             raise FileNotFoundError(f"model directory not found: {self.model}")
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "block_size", "max_num_seqs"):
             if getattr(self, name) < 1:

@@ -10,10 +10,9 @@ newly loaded adapter needs no re-capture. The attention and LoRA kernels read pe
 and slots on the device, which is what makes one graph valid for every mix.
 
 All per-step metadata is packed on the host (batch.pack_forward, padded to the bucket) into one
-pinned buffer and sent with two copies. `run(..., owned=False)` queues forwards back to back with no
-host sync (speculative drafting): some input ids then come from a device tensor an earlier forward
-filled, and each forward in flight packs into its own set of pinned buffers (a small ring that grows
-to the number in flight).
+pinned buffer and sent with two non-blocking copies (staging.Staging: each forward in flight packs into its
+own set of pinned buffers), so forwards queue back to back with no host sync: some input ids and positions
+then come from device tensors an earlier forward filled (batch.apply_sources).
 """
 
 from __future__ import annotations
@@ -21,21 +20,15 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from .attention import AttnMetadata
-from .batch import (IDS, KV_SLOT, LOGITS, LORA, NUM_ROWS, POS, QIDX, SEQ, ForwardLimits, SeqWork, check_packed,
-                    check_work, pack_forward, token_moves)
+from .batch import (BUFFER_ROWS, IDS, KV_SLOT, LOGITS, LORA, POS, QIDX, SEQ, ForwardLimits, SeqWork, apply_sources,
+                    check_packed, check_work, pack_forward)
+from .staging import Staging
 
 logger = logging.getLogger(__name__)
-
-# The packed metadata buffer holds batch.pack_forward's rows and two more, read before the replay (not by the
-# graph): token DST[i] takes its id from the caller's device tensor at SRC[i] (`run`'s token_src).
-_DST, _SRC = NUM_ROWS, NUM_ROWS + 1
-_BUFFER_ROWS = NUM_ROWS + 2
-_MAX_IN_FLIGHT = 20  # pinned buffer sets; a speculative cycle queues at most 16 drafting passes + 1 verify
 
 
 def graph_buckets(max_tokens: int) -> list[int]:
@@ -65,10 +58,9 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_tokens)
         tmax, width = self.buckets[-1], max_blocks_per_seq
         self.width = width
-        self.rows = torch.zeros(_BUFFER_ROWS, tmax, dtype=torch.long, device=device)
+        self.rows = torch.zeros(BUFFER_ROWS, tmax, dtype=torch.long, device=device)
         self.tables = torch.full((tmax + 1, width), scratch_block, dtype=torch.long, device=device)
-        self._host: list[_HostBuffers] = []  # ring of pinned packing buffers, one per forward in flight
-        self._next_host = 0
+        self.staging = Staging(tmax, tmax + 1, width, device, fill=scratch_block)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds: float | None = None
         self._slots = None
@@ -130,17 +122,19 @@ class DecodeGraphs:
                 and max(len(w.block_table) for w in work) <= self.width)
 
     def run(self, work: list[SeqWork], slots, use_lora: bool = True, *, tokens: torch.Tensor | None = None,
-            token_src: list[int] | None = None, owned: bool = True) -> torch.Tensor:
+            token_src: list[int] | None = None, shifts: torch.Tensor | None = None, owned: bool = True,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of the smallest bucket that holds `work`, queued on the current stream; returns its
-        next-token logits [N, vocab]. tokens/token_src: see ModelRunner.run.
+        next-token logits [N, vocab] and the positions of the N tokens they follow ([N] long, device).
+        tokens/token_src/shifts: see ModelRunner.run.
 
-        owned=True: float32, a copy the caller keeps. owned=False: no host sync; the logits are in the model's
-        dtype, a view of the graph's output: consume (or clone) them before queuing the next forward. The next
-        replay of this graph overwrites them, and so may another graph's (the graphs share one memory pool, and
-        a graph captured later may have put its output where an earlier one keeps intermediates).
+        owned=True: float32, a copy the caller keeps. owned=False: the logits are in the model's dtype, a view of
+        the graph's output: consume (or clone) them before queuing the next forward. The next replay of this graph
+        overwrites them, and so may another graph's (the graphs share one memory pool, and a graph captured later
+        may have put its output where an earlier one keeps intermediates).
 
         Stream order makes the queue safe: this forward's copies into the static `rows`/`tables` run after
-        the previous replay has read them, and the id fix-up runs after the forward that wrote `tokens`."""
+        the previous replay has read them, and the source fix-up runs after the forwards that wrote `tokens`."""
         if self._slots is None:
             self.capture(slots)
         elif slots is not self._slots:
@@ -150,53 +144,19 @@ class DecodeGraphs:
         use_lora = use_lora and any(w.lora_slot != slots.zero_slot for w in work)
         if self.limits is not None:
             check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
-        host = self._free_host_buffers()
+        host = self.staging.take()
         num_tokens, num_logits = pack_forward(work, self.block_size, slots.zero_slot, host.np_rows, host.np_tables,
-                                              pad_to=bucket, pad_block=self.scratch_block)
+                                              pad_to=bucket, pad_block=self.scratch_block, token_src=token_src)
         if self.limits is not None:
             check_packed(host.np_rows, host.np_tables, len(work), num_tokens, num_logits, self.limits,
                          pad_to=bucket, pad_block=self.scratch_block)
-        moved = 0
-        if token_src is not None:
-            dst, src = token_moves(token_src)
-            moved = len(dst)
-            host.np_rows[_DST, :moved], host.np_rows[_SRC, :moved] = dst, src
         self.rows.copy_(host.rows, non_blocking=True)
         self.tables[: len(work) + 1].copy_(host.tables[: len(work) + 1], non_blocking=True)
         host.copied.record()
-        if moved:
-            r = self.rows
-            r[IDS].index_copy_(0, r[_DST, :moved], tokens.index_select(0, r[_SRC, :moved]))
+        if tokens is not None or shifts is not None:
+            apply_sources(self.rows[:, :bucket], self.tables, self.block_size, tokens, shifts)
         graph, out = self.graphs[(bucket, use_lora)]
         graph.replay()
         logits = out[:num_logits]
-        return logits.to(torch.float32, copy=True) if owned else logits
-
-    def _free_host_buffers(self) -> _HostBuffers:
-        """The next pinned buffer set whose copies have run (packing into it must not race its DMA). Synchronous
-        callers always find one; forwards queued back to back grow the ring to the number whose copies are
-        still pending, once, up to _MAX_IN_FLIGHT (beyond that, wait for the oldest)."""
-        ring = self._host
-        i = self._next_host % len(ring) if ring else 0
-        if ring and (ring[i].copied.query() or len(ring) >= _MAX_IN_FLIGHT):
-            ring[i].copied.synchronize()
-        else:
-            tmax = self.buckets[-1]
-            ring.insert(i, _HostBuffers(
-                torch.zeros(_BUFFER_ROWS, tmax, dtype=torch.long, pin_memory=True),
-                torch.full((tmax + 1, self.width), self.scratch_block, dtype=torch.long, pin_memory=True),
-                torch.cuda.Event()))
-        self._next_host = i + 1
-        return ring[i]
-
-
-@dataclass
-class _HostBuffers:
-    """Pinned host buffers one forward's metadata is packed into, and the event recorded after their copies."""
-
-    rows: torch.Tensor  # [_BUFFER_ROWS, max tokens]
-    tables: torch.Tensor  # [max tokens + 1, max blocks per sequence]
-    copied: torch.cuda.Event
-
-    def __post_init__(self) -> None:
-        self.np_rows, self.np_tables = self.rows.numpy(), self.tables.numpy()
+        positions = self.rows[POS].index_select(0, self.rows[LOGITS, :num_logits])
+        return (logits.to(torch.float32, copy=True) if owned else logits), positions

@@ -1,46 +1,67 @@
-"""The synchronous engine: `step()` = schedule -> plan -> plain step or speculative cycle -> emit; `generate()`
-loops over it."""
+"""The synchronous engine. `step()` queues the next step on the device (schedule -> plan -> launch: a plain step or
+a speculative cycle, one executor for both), then reads the step before it (commit its tokens, stops, outputs):
+the host reads a step's tokens one step late, while the device runs the next one, whose inputs come from those
+tokens on the device. `generate()` loops over it."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .adapter_manager import AdapterManager
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig, SpecConfig
+from .errors import PromptTooLongError
+from .executor import Step, StepExecutor
+from .flight import Flight
 from .lora_adapter import AdapterError
 from .model_config import load_model_spec
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
-from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import RequestOutput, Sequence
-from .speculation import DraftCycle, Gate, NoSpeculation, Plan, StepResult
+from .sequence import RequestOutput, Sequence, SeqStatus
+from .speculation import Gate, NoSpeculation, Plan, StepResult
+from .speculation.cycle import prompt_row, rows_for
 from .stats import EngineStats
 from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class StepContext:
+    """What a serving loop hands each step: `arrivals` adds the requests that arrived since it last did
+    (add_request), called between a cycle's drafting passes so that they join the passes left; `publish` takes
+    outputs as soon as they exist (a prompt's first token drawn in a drafting pass), before step() returns the rest.
+    Without `publish` those outputs come back from step() with the others."""
+
+    arrivals: Callable[[], None] | None = None
+    publish: Callable[[list[RequestOutput]], None] | None = None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
+        if config.model is None:
+            raise ValueError("EngineConfig.model is None: an engine needs the model's directory")
         self.config = config
         self.device = torch.device(config.device)
         self.spec = load_model_spec(config.model)
         self.tokenizer = load_tokenizer(config.model)
-        # Derived once: the context limit, and the drafting room past it (a draft may sit `lookahead` beyond)
+        # Derived once: the context limit, the drafting room past a sequence's tokens, and the positions past the
+        # limit a forward may touch: drafts, from where a step queued and not read yet may have left a sequence.
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.lookahead = config.speculative.num_draft_tokens if config.speculative else 0
         self.runner = ModelRunner(config, self.spec, self.device, max_model_len=self.max_model_len,
-                                  lookahead=self.lookahead)
+                                  lookahead=2 * self.lookahead + 1)
         self.counters = EngineStats()
         self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, config.torch_dtype, self.device, self.counters)
@@ -50,15 +71,10 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._seeds = random.Random(config.seed)  # the noise keys of requests without a seed
         self.seqs: dict[str, Sequence] = {}
-        # Set by a serving loop: adds the requests that arrived since it last added any (add_request). A
-        # speculative cycle calls it between its passes, and what it admits runs in the cycle's next pass instead
-        # of waiting for the next step (DraftCycle.run's `join`).
-        self.intake: Callable[[], None] | None = None
-        # Set by a serving loop: takes outputs published during a step, before step() returns them (a prompt's
-        # first token computed in a cycle's drafting pass). step() then returns only what came after.
-        self.publish: Callable[[list[RequestOutput]], None] | None = None
+        self._flight: Flight | None = None  # the step queued on the device and not read yet
+        self._flight_plan: Plan | None = None  # the gate's plan for it
         self._removals_seen = 0
         self._ids = itertools.count()
         self.set_speculation(config.speculative)
@@ -84,6 +100,19 @@ class LLMEngine:
     def has_adapter(self, name: str) -> bool:
         return self.adapters.known(name)
 
+    def pin_adapter(self, name: str, pinned: bool) -> None:
+        """A pinned adapter is never evicted from host memory or from its device slot."""
+        self.adapters.set_pinned(name, pinned)
+
+    def host_adapters(self) -> list[str]:
+        """The adapters parsed in host memory now, least recently used first (the engine's host cache)."""
+        return self.adapters.host_resident
+
+    def set_host_eviction(self, choose: Callable[[list[str]], str | None]) -> None:
+        """Which adapter leaves host memory when more than `max_cpu_loras` are parsed: `choose(candidates)`
+        (unpinned, least recently used first) -> one of them, or None to keep them all for now."""
+        self.adapters.host_eviction = choose
+
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str | None = None, prompt: str | None = None,
                     prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None,
@@ -105,9 +134,12 @@ class LLMEngine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.spec.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}")
-        if blocks_for(len(prompt_token_ids) + 1 + self.lookahead, self.config.block_size) > self.blocks.num_blocks:
-            raise ValueError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})")
+            raise PromptTooLongError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is "
+                                     f"{self.max_model_len}", len(prompt_token_ids), self.max_model_len)
+        room = 2 * self.lookahead + 2  # its first token, and what two steps queued at once may write past it
+        if blocks_for(len(prompt_token_ids) + room, self.config.block_size) > self.blocks.num_blocks:
+            raise PromptTooLongError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})",
+                                     len(prompt_token_ids), self.blocks.num_blocks * self.config.block_size - room)
         params.check_vocab(self.spec.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
@@ -117,8 +149,7 @@ class LLMEngine:
         source = self.seqs.get(share_prompt_with) if share_prompt_with is not None else None
         if source is not None and source.prompt_token_ids == prompt_token_ids and source.adapter == adapter_name:
             seq.prompt_source = source
-        if params.seed is not None:
-            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+        seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.counters.usage(adapter_name).requests += 1
@@ -130,62 +161,133 @@ class LLMEngine:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
 
+    def abort_all(self) -> list[str]:
+        """End every request with "abort" and drop the step queued on the device unread (after a step failed:
+        nothing of it can be trusted); returns their ids."""
+        ids = list(self.seqs)
+        for request_id in ids:
+            self.abort_request(request_id)
+        self._flight = self._flight_plan = None
+        for seq in self.seqs.values():
+            seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
+        self.seqs.clear()
+        self.scheduler.finished.clear()
+        return ids
+
     @property
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self.scheduler.finished)
+        """Requests waiting, running, or with outputs not handed out yet. (A queued step whose sequences have all
+        finished since is read by the next step().)"""
+        return (self.scheduler.has_unfinished or bool(self.scheduler.finished)
+                or (self._flight is not None and not all(s.finished for s in self._flight.seqs)))
 
     # ---------------------------------------------------------------- the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self, ctx: StepContext | None = None) -> list[RequestOutput]:
+        """Queue the next step, then read the one queued before it; returns the outputs reading it gave, and those
+        of requests that ended otherwise (aborts). A step whose tokens are drawn from the host's history
+        (penalties) is read before the next one is planned, and so is one whose sequences' room for the most it can
+        commit is not free (the scheduler says so)."""
+        ctx = ctx or StepContext()
         start = time.perf_counter()
         self._fail_orphans()
-        batch = self.scheduler.schedule(lookahead=self.gate.lookahead)
-        plan = self.gate.plan(batch)
-        result = self.cycle.run(plan, self._joiner(batch)) if plan.speculate else self._plain_step(plan)
-        self.scheduler.trim(batch)  # drafting room nothing was written to goes back
-        self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
-        self.counters.steps += 1
-        outputs = self._emit(batch.seqs)
-        self.gate.observe(plan, result, time.perf_counter() - start)  # priced by the whole step, emitting included
-        return outputs
+        outputs = []
+        if self._flight is not None and any(s.params.adjusts_logits and not s.ended for s in self._flight.seqs):
+            outputs = self._read(ctx, None)
+        batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
+        if batch.wait:  # memory is short for the queued step's most: read it first
+            outputs += self._read(ctx, None)
+            batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
+        flight, plan = self._launch(ctx, batch, start)
+        outputs += self._read(ctx, flight)
+        self._flight, self._flight_plan = flight, plan
+        self.counters.steps += flight is not None
+        return outputs + self._emit([])
 
-    def _joiner(self, batch: ScheduledBatch) -> Callable[[], list[Sequence]] | None:
-        """What a cycle calls between passes to take in arrivals and admit them into its batch (None: nothing
-        can arrive during a step)."""
-        if self.intake is None:
+    def _launch(self, ctx: StepContext, batch: ScheduledBatch, start: float) -> tuple[Flight | None, Plan | None]:
+        if batch.empty:
+            return None, None
+        plan = self.gate.plan(batch)
+        # first tokens drawn in a drafting pass are read early only for a loop that takes them (StepContext.publish)
+        first = None if ctx.publish is None else lambda seqs, tokens, rows: self._first(ctx, seqs, tokens, rows)
+        rows = rows_for(plan, self.max_model_len) if plan.passes else []
+        step = Step(plan.seqs, rows, plan.passes, join=self._joiner(batch, plan, ctx), first=first)
+        flight = self.executor.launch(step, self._flight)
+        flight.launched = start  # its time runs from its scheduling to the next step's
+        self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
+        return flight, plan
+
+    def _joiner(self, batch: ScheduledBatch, plan: Plan, ctx: StepContext):
+        """What a cycle calls between passes to take in arrivals and admit them into its batch (None: nothing can
+        arrive during a step)."""
+        if ctx.arrivals is None or not plan.speculate:
             return None
 
-        def join() -> list[Sequence]:
-            self.intake()
-            return self.scheduler.admit(batch) if self.scheduler.waiting else []
+        def join() -> tuple[list[Sequence], list]:
+            ctx.arrivals()
+            admitted = self.scheduler.admit(batch) if self.scheduler.waiting else []
+            return admitted, [prompt_row(plan, s, self.max_model_len) for s in admitted]
 
         return join
 
-    def _plain_step(self, plan: Plan) -> StepResult:
-        """One adapter-on forward over the scheduled sequences; one new token each."""
-        seqs = plan.seqs
-        if seqs:
-            slots = self.adapters.slots
-            logits = self.runner.run([s.work(slots.lora_slot(s.adapter)) for s in seqs], slots)
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator, seqs)
-            for seq, token, row in zip(seqs, tokens.tolist(), logits):
-                seq.num_computed = seq.num_tokens
-                self._commit(seq, token, row)
-        return StepResult()
+    def _first(self, ctx: StepContext, seqs: list[Sequence], tokens: list[int], rows: list) -> None:
+        """Prompts' first tokens drawn in a drafting pass, read before the step ends: committed and handed out (a
+        request that ends on it is handed back to the scheduler when the step is read: the passes after it still
+        write its blocks)."""
+        live = []
+        for seq, token, row in zip(seqs, tokens, rows):
+            if not seq.ended:
+                self.counters.usage(seq.adapter).tokens += 1
+                if not self.outputs.append(seq, token, row):
+                    live.append(seq)
+        if live:
+            ctx.publish([self.outputs.output(s, False) for s in live])
 
-    def _commit(self, seq: Sequence, token: int, logits: torch.Tensor | None = None, finish: bool = True) -> bool:
-        """Append a final token to a sequence; True if it finished. finish=False: a sequence that ends is left
-        to the caller to hand back to the scheduler (DraftCycle, once no queued pass writes its blocks)."""
-        self.counters.usage(seq.adapter).tokens += 1
-        if self.outputs.append(seq, token, logits):
-            if finish:
-                self.scheduler.finish(seq)
-            return True
-        return False
+    def _read(self, ctx: StepContext, queued: Flight | None) -> list[RequestOutput]:
+        """Read the step queued before `queued` (the one just queued, if any): commit each row's tokens, hand back
+        the sequences that ended, feed the gate; returns the outputs."""
+        flight, plan = self._flight, self._flight_plan
+        if flight is None:
+            return []
+        self._flight = self._flight_plan = None
+        wait = time.perf_counter()
+        tokens, counts = flight.read()
+        self.counters.device_wait_s += time.perf_counter() - wait
+        touched, verifies = [], []
+        rows, counts = tokens.tolist(), counts.tolist()
+        for r, seq in enumerate(flight.seqs):
+            if seq.flight is flight:
+                seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
+            n, done = counts[r], flight.published[r]
+            if flight.drafts is not None and flight.drafts[r] and n:
+                verifies.append((seq.adapter, flight.drafts[r], n - flight.lo[r]))
+            if seq.finished or not n:
+                continue
+            self._commit_run(seq, rows[r][done:n], flight.logits_rows(r, done, n - done) if flight.kept else None)
+            touched.append(seq)
+        outputs = self._emit(touched)
+        # A step's time runs from its scheduling to the next one's (what the loop spends per step), or, for the last
+        # before the engine runs dry, to the end of its reading.
+        seconds = (queued.launched if queued is not None else time.perf_counter()) - flight.launched
+        kinds = flight.passes if flight.speculative else []
+        result = StepResult([(k, t, a, span) for (k, t, a), span in zip(kinds, flight.spans())], verifies)
+        self.gate.observe(plan, result, seconds)
+        return outputs
 
-    def _publish_early(self, seqs: list[Sequence]) -> None:
-        """Hand the new tokens of running sequences to the serving loop mid-step (`publish`)."""
-        if self.publish is not None and seqs:
-            self.publish([self.outputs.output(s, False) for s in seqs])
+    def _commit_run(self, seq: Sequence, tokens: list[int], rows: list | None) -> None:
+        """Commit a row's tokens in order, up to where the sequence ends; then hand it back to the scheduler if it
+        ended, or else mark its KV final up to its last token and give back drafting room nothing will write.
+        rows: each token's logits row, where kept (None: none kept)."""
+        usage = self.counters.usage(seq.adapter)
+        for i, token in enumerate(tokens if not seq.ended else ()):  # (one that ended on an early first token)
+            usage.tokens += 1
+            if self.outputs.append(seq, token, None if rows is None else rows[i]):
+                break
+        if seq.ended:
+            self.scheduler.finish(seq)
+        elif seq.status is SeqStatus.RUNNING:
+            seq.num_computed = seq.num_tokens - 1
+            if seq.flight is None:
+                self.blocks.truncate(seq.block_table, seq.num_tokens)
 
     def set_speculation(self, spec: SpecConfig | None) -> None:
         """Switch speculative drafting on (a fresh gate: nothing measured yet) or off (None). Its draft length
@@ -196,10 +298,9 @@ class LLMEngine:
         self.counters.spec = None
         self.gate = NoSpeculation() if spec is None else Gate(
             spec, max_model_len=self.max_model_len, capturing=self.runner.capturing, stats=self.counters)
-        self.cycle = None if spec is None else DraftCycle(
-            self.runner, self.adapters.slots, self._commit, self.generator, self.max_model_len, self.counters.spec,
-            max_rows=self.config.max_num_seqs, publish=self._publish_early, finish=self.scheduler.finish,
-            pass_tokens=self.config.max_graph_tokens if self.config.cuda_graphs else None)
+        self.executor = StepExecutor(self.runner, self.adapters.slots, self.config.max_num_seqs, self.lookahead,
+                                     self.config.max_graph_tokens if self.config.cuda_graphs else None,
+                                     self.counters.spec)
 
     def _fail_orphans(self) -> None:
         """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""
@@ -213,7 +314,7 @@ class LLMEngine:
             self._removals_seen = self.adapters.removals
 
     def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:
-        """Outputs of the sequences this step touched and of those that finished (aborts included)."""
+        """Outputs of the sequences a read touched and of those that finished (aborts included)."""
         outs, seen = [], set()
         finished, self.scheduler.finished = self.scheduler.finished, []
         for seq in touched + finished:

@@ -9,9 +9,10 @@ import torch
 
 from .adapter_slots import AdapterSlots
 from .backend import Backend
-from .batch import ForwardLimits, SeqWork, build_forward_batch, check_work, token_moves
+from .batch import ForwardLimits, SeqWork, build_forward_batch, check_work
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
+from .staging import Staging
 from .model import CausalLM, LoRABatch
 from .model_config import ModelSpec
 
@@ -39,15 +40,15 @@ def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device, max_
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, *, max_model_len: int,
                  lookahead: int):
-        """max_model_len: the longest sequence served; lookahead: speculative positions past it (0 without
-        speculation). The engine derives both once and passes them down."""
+        """max_model_len: the longest sequence served; lookahead: positions past it a forward may touch (drafts, and
+        a step queued before the one before it was read). The engine derives both once and passes them down."""
         self.config, self.spec, self.device = config, spec, device
         backend = Backend.from_config(config, device)
         with torch.device(device):
             self.model = CausalLM(spec, config.torch_dtype, backend.layer_ops)
         self.model.load_weights(config.model)
         self.model.eval()
-        self.max_positions = max_model_len + lookahead + 1  # a drafted token may sit `lookahead` past the limit
+        self.max_positions = max_model_len + lookahead + 1  # a token may sit `lookahead` past the limit
         self.model.build_rope_table(self.max_positions)
         self.num_blocks = _kv_blocks(config, spec, device, self.max_positions)
         # With CUDA graphs one extra block, never handed out, takes the KV of padding tokens.
@@ -63,6 +64,9 @@ class ModelRunner:
         self.lora_op, self.group_lora_op = backend.lora_op, backend.group_lora_op
         self.attn_kernel = backend.attention
         self.graphs = self._decode_graphs() if config.cuda_graphs else None
+        width = -(-self.max_positions // config.block_size)
+        self.staging = Staging(config.max_num_batched_tokens + config.max_num_seqs * (lookahead + 1),
+                               config.max_num_seqs, width, device)
         logger.info("model %s loaded on %s: %d KV blocks of %d tokens", spec.architecture, device,
                     self.num_blocks, config.block_size)
 
@@ -70,44 +74,49 @@ class ModelRunner:
         """True until the CUDA graphs are captured (at warm-up, or else on the first forward that fits one)."""
         return self.graphs is not None and self.graphs.capture_seconds is None
 
+    def run(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True, **inputs) -> torch.Tensor:
+        """`launch`'s logits alone."""
+        return self.launch(work, slots, use_lora, **inputs)[0]
+
     @torch.inference_mode()
-    def run(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True, *,
-            tokens: torch.Tensor | None = None, token_src: list[int] | None = None, owned: bool = True) -> torch.Tensor:
-        """One forward; returns next-token logits [sum(num_logits), vocab]. `use_lora=False`: the base model.
-        Adapter copies left pending are issued once the forward is queued (AdapterSlots.flush).
+    def launch(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True, *,
+               tokens: torch.Tensor | None = None, token_src: list[int] | None = None,
+               shifts: torch.Tensor | None = None, owned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue one forward; returns next-token logits [sum(num_logits), vocab] and the positions of the tokens
+        they follow ([N] long), both on the device. `use_lora=False`: the base model. Nothing waits for the device:
+        the metadata goes up from pinned buffers (staging.py), and adapter copies left pending are issued once the
+        forward is queued (AdapterSlots.flush).
 
-        owned=True: float32 logits the caller owns (a copy where they come from a graph's buffer).
-        owned=False: for forwards queued back to back: no host sync where a CUDA graph takes the forward (the
-        eager path is synchronous, which is also what the CPU tests exercise); the logits are in the model's
-        dtype (argmax needs no float32 copy) and may be a view of a graph's output buffer, valid until the next
-        forward is queued: consume or clone them before that.
+        owned=True: float32 logits the caller owns (a copy where they come from a graph's buffer). owned=False: in
+        the model's dtype, and possibly a view of a graph's output buffer, valid until the next forward is queued:
+        consume or clone them before that.
 
-        token_src: None, or one entry per token of the flat token list (work order); where >= 0, that token's
-        input id is tokens[token_src[t]] ([M] long, on the device), read when the forward runs, so it may be
-        the output of a forward still queued; its id in `work` is then a placeholder."""
+        Device-side inputs (batch.apply_sources): token_src, one entry per token of the flat token list (work order),
+        where >= 0 takes that token's id from tokens[token_src[t]] ([M] long, on the device) when the forward runs
+        (it may be the output of a forward still queued; its id in `work` is then a placeholder); `shifts` ([S]
+        long, on the device) moves the positions of each SeqWork with shift >= 0 by shifts[shift]."""
         if self.graphs is not None and self.graphs.fits(work):
-            logits = self.graphs.run(work, slots, use_lora, tokens=tokens, token_src=token_src, owned=owned)
+            logits, positions = self.graphs.run(work, slots, use_lora, tokens=tokens, token_src=token_src,
+                                                shifts=shifts, owned=owned)
         else:
-            logits = self._run_eager(work, slots, use_lora, tokens, token_src)
+            logits, positions = self._eager(work, slots, use_lora, tokens, token_src, shifts)
             if owned:
                 logits = logits.float()
         slots.flush()
-        return logits
+        return logits, positions
 
-    def _run_eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool,
-                   tokens: torch.Tensor | None = None, token_src: list[int] | None = None) -> torch.Tensor:
+    def _eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool, tokens: torch.Tensor | None = None,
+               token_src: list[int] | None = None, shifts: torch.Tensor | None = None):
         if self.limits is not None:
             check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
-        batch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device, self.limits)
-        if token_src is not None:
-            dst, src = token_moves(token_src)
-            if len(dst):
-                batch.input_ids[torch.from_numpy(dst).to(self.device)] = tokens[torch.from_numpy(src).to(self.device)]
+        batch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device, self.limits,
+                                    self.staging, token_src, tokens, shifts)
         batch.attn.kernel = self.attn_kernel
         lora = None
         if use_lora and batch.has_lora:
             lora = LoRABatch.from_slots(self.lora_op, batch.lora_slots, slots, self.group_lora_op)
-        return self.model(batch.input_ids, batch.attn, self.kv_caches, batch.logits_indices, lora)
+        logits = self.model(batch.input_ids, batch.attn, self.kv_caches, batch.logits_indices, lora)
+        return logits, batch.attn.positions.index_select(0, batch.logits_indices)
 
     @torch.inference_mode()
     def warm_up(self, slots: AdapterSlots, blocks: BlockManager, max_num_batched_tokens: int) -> dict[str, float]:
@@ -145,7 +154,7 @@ class ModelRunner:
             try:
                 for slot in (slots.zero_slot, 0):  # adapters off, then on (slot 0 is empty at start-up)
                     work = [SeqWork([0] * n, 0, t, slot) for n, t in zip(lens, tables)]
-                    self._run_eager(work, slots, use_lora=slot != slots.zero_slot)
+                    self._eager(work, slots, use_lora=slot != slots.zero_slot)
             finally:
                 for table in tables:
                     blocks.free(table)

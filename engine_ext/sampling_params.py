@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .errors import InvalidParameterError
+
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
 
 
@@ -82,4 +84,4 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         if self.logit_bias and max(self.logit_bias) >= vocab_size:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+            raise InvalidParameterError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size})")

@@ -17,6 +17,9 @@ class ScheduledBatch:
     lookahead: int = 0  # drafting positions reserved past each sequence's tokens
     closed: bool = False  # nothing was left waiting: no request can join this batch
     budget: int = 0  # batched tokens left for prompts that join it (Scheduler.admit)
+    # The room a queued step's most would take is not free: read that step first, then schedule again (its
+    # sequences then need room only for what they have), rather than preempt a sequence for room it may not use
+    wait: bool = False
 
     @property
     def empty(self) -> bool:
@@ -96,17 +99,29 @@ class Scheduler:
             seq.num_computed = shared * self.blocks.block_size
         return True
 
-    def schedule(self, lookahead: int = 0) -> ScheduledBatch:
-        """`lookahead`: extra positions to reserve per running sequence (speculative drafts)."""
+    def schedule(self, lookahead: int = 0, max_model_len: int = 1 << 30) -> ScheduledBatch:
+        """`lookahead`: extra positions to reserve per running sequence (speculative drafts). A sequence a step still
+        queued on the device holds (Sequence.flight) is scheduled from where that step leaves it, with room for the
+        most it can commit; one that has ended on a token read since, or that the queued step takes to its end,
+        waits for that step to be read."""
         batch = ScheduledBatch(lookahead=lookahead)
         preempted_before = self.num_preemptions
-        for seq in sorted(self.running.values(), key=lambda s: s.arrival):
-            if seq.status is SeqStatus.RUNNING:
-                self.ensure_room(seq, seq.num_tokens + lookahead)
+        stepping = sorted((s for s in self.running.values() if self._steps(s, max_model_len)),
+                          key=lambda s: s.arrival)
+        size = self.blocks.block_size
+        needs = [seq.num_tokens + seq.pending[1] + lookahead for seq in stepping]
+        short = sum(max(0, -(-n // size) - len(s.block_table)) for s, n in zip(stepping, needs)) > self.blocks.num_free
+        if short and any(s.pending[1] for s in stepping):
+            batch.wait = True
+            return batch
+        for seq, need in zip(stepping, needs):
+            if seq.status is SeqStatus.RUNNING and -(-need // size) > len(seq.block_table):
+                self.ensure_room(seq, need)
         # Grouped by adapter (arrival order within one): the LoRA kernels multiply a run of tokens sharing an
         # adapter as one tile, so a grouped batch reads each adapter's weights once per run rather than once per
         # token (5-9% of a 128-sequence step at the 1B shape, bench/RESULTS.md section 1).
-        batch.seqs = sorted(self.running.values(), key=lambda s: (s.adapter or "", s.arrival))
+        batch.seqs = sorted((s for s in stepping if s.status is SeqStatus.RUNNING),
+                            key=lambda s: (s.adapter or "", s.arrival))
         batch.num_preempted = self.num_preemptions - preempted_before
         if batch.num_preempted:
             return batch  # memory is tight: let the running ones progress before admitting more
@@ -114,6 +129,11 @@ class Scheduler:
         batch.budget = self.max_num_batched_tokens - len(batch.seqs) * (1 + lookahead)
         self.admit(batch)
         return batch
+
+    @staticmethod
+    def _steps(seq: Sequence, max_model_len: int) -> bool:
+        """Whether a running sequence takes part in the next step."""
+        return not seq.ended and seq.tokens_left(max_model_len) > 0
 
     def admit(self, batch: ScheduledBatch) -> list[Sequence]:
         """Admit waiting requests into `batch` (appended to batch.seqs as prefills) while blocks, sequence
@@ -125,6 +145,9 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.flight is not None:  # preempted while a queued step held it: its tokens are not read yet
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.prompt_source is not None and not seq.block_table and not self._share_prompt(seq):
                 skipped.append(self.waiting.popleft())  # its source's prompt KV is not written yet
                 continue
@@ -160,10 +183,3 @@ class Scheduler:
             self._cold &= {s.request_id for s in self.waiting}
         batch.closed, batch.budget = not self.waiting, budget
         return admitted
-
-    def trim(self, batch: ScheduledBatch) -> None:
-        """After the step: give back the drafting room (lookahead blocks) nothing was written to."""
-        if batch.lookahead:
-            for seq in batch.seqs:
-                if not seq.finished:
-                    self.blocks.truncate(seq.block_table, seq.num_tokens)

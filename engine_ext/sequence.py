@@ -6,6 +6,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import torch
 
 from .batch import SeqWork
@@ -39,8 +41,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose KV is in the cache and final (written by the adapter-on model)
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    finish_reason: str | None = None  # set when it ends (it may still be in a step queued on the device)
+    seed: int = 0  # the key of its sampling noise: params.seed, or drawn by the engine when it arrived
     text: str = ""
     text_is_final: bool = False  # set when a stop string cut the text
     num_emitted_tokens: int = 0  # tokens already handed to the caller
@@ -51,6 +53,11 @@ class Sequence:
     # A sequence with the same prompt and adapter (another sample of one request) whose prompt KV blocks this
     # one takes over at admission instead of computing them again (Scheduler._share_prompt).
     prompt_source: Sequence | None = field(default=None, repr=False)
+    # The step queued on the device that holds it and has not been read (engine_ext.flight.Flight), its row there,
+    # and (at least, at most) the tokens that step commits for it once read ((0, 0): none queued)
+    flight: Any = field(default=None, repr=False)
+    flight_row: int = -1
+    pending: tuple[int, int] = (0, 0)
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,12 +72,23 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
     @property
+    def ended(self) -> bool:
+        """It ended (finished, or ended on a token read while a step queued after it still writes its blocks)."""
+        return self.finish_reason is not None
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def is_prefill(self) -> bool:
         return self.num_tokens - self.num_computed > 1
 
     def tokens_left(self, max_model_len: int) -> int:
-        """Tokens it may still generate before max_tokens or the context limit ends it."""
-        return min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens)
+        """Tokens it may still generate before max_tokens or the context limit ends it, beyond those a queued step
+        commits at least."""
+        lo = self.pending[0]
+        return min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens) - lo
 
     def work(self, lora_slot: int, extra: list[int] = (), num_logits: int = 1) -> SeqWork:
         """Its share of a forward: every position not yet in the cache, plus `extra` tokens after them."""

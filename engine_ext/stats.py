@@ -20,7 +20,8 @@ class UsageStats:
 class AdapterStats(UsageStats):
     loads: int = 0  # copies into a device slot
     hits: int = 0  # requests that found the adapter already in a slot
-    disk_loads: int = 0
+    disk_loads: int = 0  # parses of its files into host memory (the first, and again after an eviction)
+    disk_load_seconds: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rejections: int = 0  # verify passes that rejected one of its drafts
@@ -49,20 +50,18 @@ class AdapterStats(UsageStats):
 class SpecStats:
     num_draft_tokens: int
     cycles: int = 0
-    greedy_cycles: int = 0  # cycles that took the one-sync path
     plain_steps: int = 0
     draft_passes: int = 0
     cycle_passes: Counter[int] = field(default_factory=Counter)  # cycles by their number of drafting passes
     gate_decisions: Counter[str] = field(default_factory=Counter)
     joined: int = 0  # requests that arrived during a cycle and joined it
-    cut_cycles: int = 0  # cycles whose drafting stopped early for one (a sampled arrival in a one-sync cycle)
     ridden_prompts: int = 0  # prompts computed in a drafting pass (their first token published before the verify)
     paced_prompts: int = 0  # prompts that waited for a later pass (or step) with room in the largest CUDA graph
 
     def snapshot(self) -> dict:
-        return {"cycles": self.cycles, "greedy_cycles": self.greedy_cycles, "plain_steps": self.plain_steps,
+        return {"cycles": self.cycles, "plain_steps": self.plain_steps,
                 "draft_passes": self.draft_passes, "cycle_passes": dict(sorted(self.cycle_passes.items())),
-                "joined": self.joined, "cut_cycles": self.cut_cycles, "ridden_prompts": self.ridden_prompts,
+                "joined": self.joined, "ridden_prompts": self.ridden_prompts,
                 "paced_prompts": self.paced_prompts,
                 "gate_decisions": dict(self.gate_decisions), "num_draft_tokens": self.num_draft_tokens}
 
@@ -73,6 +72,7 @@ class EngineStats:
     adapters: dict[str, AdapterStats] = field(default_factory=dict)
     spec: SpecStats | None = None  # None: speculation off
     steps: int = 0
+    device_wait_s: float = 0.0  # host time spent waiting for the device to finish a step it reads
 
     def adapter(self, name: str) -> AdapterStats:
         stats = self.adapters.get(name)
@@ -87,11 +87,13 @@ class EngineStats:
         """Counters as plain data. `acceptance_estimates`: the gate's running estimate per adapter."""
         adapters = {}
         for name, a in list(self.adapters.items()):
-            entry = {k: getattr(a, k) for k in ("requests", "tokens", "loads", "hits", "disk_loads")}
+            entry = {k: getattr(a, k) for k in ("requests", "tokens", "loads", "hits", "disk_loads",
+                                                "disk_load_seconds")}
             if self.spec is not None:
                 entry |= a.speculative() | {"acceptance_ema": (acceptance_estimates or {}).get(name)}
             adapters[name] = entry
-        out = {"num_steps": self.steps, "base": {"requests": self.base.requests, "tokens": self.base.tokens},
+        out = {"num_steps": self.steps, "device_wait_s": self.device_wait_s,
+               "base": {"requests": self.base.requests, "tokens": self.base.tokens},
                "adapters": adapters}
         if self.spec is not None:
             out["speculative"] = self.spec.snapshot()

@@ -2,7 +2,8 @@
 
 from registry.base_model import BaseModelSpec
 from registry.errors import (AdapterDisabled, AdapterNotFound, BaseModelNotFound, LifecycleConflict, PermissionDenied,
-                             RegistryError, RegistryValidationError, SourceNotAllowed)
+                             RegistryError, RegistryUnavailable, RegistryValidationError,
+                             SourceNotAllowed)
 from registry.records import AdapterRecord, AdapterState, AdapterStatus, AuditEntry, Visibility
 from registry.registry import Registry
 from registry.settings import RegistrySettings
@@ -17,6 +18,7 @@ __all__ = [
     "BaseModelSpec",
     "Visibility",
     "RegistryError",
+    "RegistryUnavailable",
     "RegistryValidationError",
     "SourceNotAllowed",
     "AdapterNotFound",

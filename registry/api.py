@@ -2,25 +2,33 @@
 `uvicorn --factory registry.api:create_app` (settings and tokens from the environment).
 
 Request bodies are strict (no bool or string where a number is due, no unknown fields); the OpenAPI schema and
-its docs page need the admin token like every other route."""
+its docs page need the admin token like every other route (a browser gives it as the password of HTTP Basic
+auth). Every refused mutation is in the audit log as `{action}_rejected` (who, why), those refused for their
+body's shape too; a store out of reach is a 503 with Retry-After."""
 
+import logging
 from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from registry.api_docs import api_docs_page
 from registry.auth import Principal, TokenAuth, tokens_from_env
 from registry.base_model import BaseModelSpec
-from registry.errors import AdapterNotFound, PermissionDenied, RegistryError
+from registry.errors import (AdapterNotFound, PermissionDenied, RegistryError, RegistryUnavailable,
+                             RegistryValidationError)
 from registry.records import AdapterRecord, AdapterState, AuditEntry, Visibility
 from registry.registry import Registry
 from registry.uploads import UploadArea, UploadStatus
 
 __all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
 
 
 _AUDIT_LIST = TypeAdapter(list[AuditEntry])
@@ -38,8 +46,9 @@ class RegisterRequest(_Body):
     base_model: StrictStr
     tenant: StrictStr | None = Field(default=None, description="owner tenant (publishers: their own, implied)")
     visibility: Visibility = Visibility.public
-    labels: dict[StrictStr, StrictStr] = Field(default_factory=dict)
-    description: StrictStr = Field(default="", max_length=4000)
+    labels: dict[StrictStr, StrictStr] = Field(default_factory=dict, description="at most 32; keys 1-64 "
+                                               "characters, values at most 256")
+    description: StrictStr = Field(default="", description="at most 4000 characters")
     activate: StrictBool = Field(default=False, description="promote right after validation")
 
 
@@ -98,6 +107,9 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+_MUTATIONS = frozenset({"POST", "PUT", "DELETE", "PATCH"})
+
+
 def _error(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status,
@@ -128,21 +140,47 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
     auth = TokenAuth(tokens_from_env() if tokens is None else tokens)
     Caller = Annotated[Principal, Depends(auth)]
     Name = Annotated[str, Path(description="adapter name")]
-    errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 422)}
+    errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 413, 422, 503)}
     app = FastAPI(title="LoRA adapter registry", version="1", responses=errors, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    uploads = UploadArea(registry.settings.upload_dir, registry.settings.max_files, registry.settings.max_file_bytes,
-                         registry.settings.upload_ttl_s)
+    uploads = registry.uploads
+
+    def audit_refusal(request: Request, err: RegistryError, body: object = None) -> None:
+        """A refused mutation of an authenticated caller into the audit log, named after its route."""
+        route = request.scope.get("route")
+        if request.method not in _MUTATIONS or route is None or err.status == 401:
+            return
+        try:
+            who = auth(request)
+        except RegistryError:
+            return
+        fields = body if isinstance(body, dict) else {}
+        name = request.path_params.get("name") or request.path_params.get("upload_id") or fields.get("name")
+        name = name if isinstance(name, str) and name else "-"
+        if route.name == "register":  # a registration refused for its shape leaves no upload behind either
+            uploads.discard_source(fields.get("source_uri"))
+        registry.audit_refusal(who.name, route.name, name, err)
 
     @app.exception_handler(RegistryError)
     async def _registry_error(request: Request, exc: RegistryError):
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        await run_in_threadpool(audit_refusal, request, exc)
+        headers = {"WWW-Authenticate": getattr(exc, "challenge", "Bearer")} if exc.status == 401 else None
+        if isinstance(exc, RegistryUnavailable):
+            headers = {"Retry-After": str(exc.retry_after_s)}
         return _error(exc.status, exc.message, exc.code, headers)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError):
         msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return _error(422, msg or "invalid request", "invalid_request")
+        err = RegistryValidationError(msg or "invalid request", code="invalid_request")
+        err.status = 422
+        await run_in_threadpool(audit_refusal, request, err, exc.body)
+        return _error(422, err.message, err.code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("control plane: unhandled error")
+        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -161,21 +199,19 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
     def healthz() -> dict:
         return {"status": "ok", "revision": registry.revision()}
 
+    BrowserCaller = Annotated[Principal, Depends(auth.browser)]
+
     @app.get("/openapi.json", include_in_schema=False)
-    def openapi(p: Caller) -> JSONResponse:
+    def openapi(p: BrowserCaller) -> JSONResponse:
         _require_admin(p)
         return JSONResponse(app.openapi())
 
     @app.get("/docs", include_in_schema=False)
-    def docs(request: Request, p: Caller) -> HTMLResponse:
-        # The browser fetches the schema itself, so the page carries the token it was opened with.
+    def docs(p: BrowserCaller) -> HTMLResponse:
+        """The routes and their bodies, from the OpenAPI schema, as one self-contained page (no script, nothing
+        fetched from elsewhere)."""
         _require_admin(p)
-        root = request.scope.get("root_path", "").rstrip("/")
-        token = request.headers["authorization"].partition(" ")[2].strip()
-        html = get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=app.title).body.decode()
-        inject = ("requestInterceptor: (r) => { r.headers['Authorization'] = 'Bearer ' + "
-                  f"{token!r}; return r; }},")
-        return HTMLResponse(html.replace("dom_id:", inject + "\n    dom_id:", 1))
+        return HTMLResponse(api_docs_page(app.openapi()))
 
     @app.post("/v1/adapters", status_code=201, response_model=AdapterRecord)
     def register(body: RegisterRequest, p: Caller):
@@ -259,13 +295,21 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
         _require_admin(p)
         return GcResult(deleted_blobs=registry.collect_garbage())
 
-    @app.put("/v1/uploads/{upload_id}/{filename}", response_model=UploadStatus)
+    @app.put("/v1/uploads/{upload_id}/{filename}", response_model=UploadStatus, name="upload")
     async def upload_file(upload_id: Annotated[str, Path(pattern=UploadArea.ID_PATTERN)],
                           filename: Annotated[str, Path(pattern=UploadArea.FILE_PATTERN)], request: Request,
-                          p: Caller, x_content_sha256: Annotated[str, Header(pattern=r"^[0-9a-f]{64}$")]):
-        """Stream one file of an upload (the body is the file's bytes); checked against X-Content-SHA256.
-        Idempotent: re-sending a file that is already there with the same hash costs nothing."""
-        return await uploads.put(upload_id, filename, x_content_sha256, request.stream())
+                          p: Caller, x_content_sha256: Annotated[str, Header(pattern=r"^[0-9a-f]{64}$")],
+                          x_upload_offset: Annotated[int, Header(ge=0, le=MAX_INT)] = 0,
+                          content_length: Annotated[int | None, Header(ge=0)] = None):
+        """Stream one file of an upload (the body is the file's bytes, from byte X-Upload-Offset on when it
+        resumes one cut off: the status's `partial`), streamed to disk and checked against X-Content-SHA256; over
+        the upload limit (RegistrySettings.max_file_bytes) a 413. Idempotent: re-sending a file that is already
+        there with the same hash costs nothing."""
+        try:
+            return await uploads.put(upload_id, filename, x_content_sha256, request.stream(), x_upload_offset,
+                                     content_length)
+        except ClientDisconnect:  # the part received so far stays, to resume; nobody reads this answer
+            return Response(status_code=400)
 
     @app.get("/v1/uploads/{upload_id}", response_model=UploadStatus)
     def upload_status(upload_id: Annotated[str, Path(pattern=UploadArea.ID_PATTERN)], p: Caller):

@@ -6,6 +6,7 @@ Tokens come from the app factory (or env REGISTRY_TOKENS as JSON, REGISTRY_ADMIN
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -29,6 +30,7 @@ class Principal(BaseModel):
 class AuthError(RegistryError):
     status = 401
     code = "unauthorized"
+    challenge = "Bearer"  # the WWW-Authenticate scheme the client is asked for
 
 
 def tokens_from_env() -> dict[str, dict]:
@@ -56,7 +58,22 @@ class TokenAuth:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise AuthError("missing bearer token")
-        given = token.strip().encode()
+        return self._principal(token.strip().encode())
+
+    def browser(self, request: Request) -> Principal:
+        """For pages a browser opens (the docs): the token as a Bearer header or as the password of HTTP Basic
+        auth, which the browser asks its user for and then sends with every request to the same place."""
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        try:
+            if scheme.lower() == "basic":
+                return self._principal(base64.b64decode(value.strip(), validate=True).partition(b":")[2])
+            return self(request)
+        except (AuthError, ValueError):
+            err = AuthError("the admin token is needed: give it as the password (any user name)")
+            err.challenge = 'Basic realm="loraserve control plane"'
+            raise err from None
+
+    def _principal(self, given: bytes) -> Principal:
         found = None
         for known, principal in self._principals:  # compare against every token: no early-exit timing signal
             if hmac.compare_digest(known, given):

@@ -45,6 +45,10 @@ class BlobStore(Protocol):
 
     def delete(self, sha256: str) -> None: ...
 
+    def ping(self) -> None:
+        """Raise RegistryUnavailable unless the store can be reached."""
+        ...
+
 
 class LocalBlobStore:
     def __init__(self, root: str | Path):
@@ -94,6 +98,9 @@ class LocalBlobStore:
 
     def delete(self, sha256: str) -> None:
         self._path(sha256).unlink(missing_ok=True)
+
+    def ping(self) -> None:
+        return None  # a local directory is always there
 
     def list(self) -> list[str]:
         base = self._root / "sha256"

@@ -1,6 +1,6 @@
-"""Operator CLI `lora-registry`: push an adapter directory (upload with a progress bar, then register),
-list, show, promote, canary, rollback, disable, enable, retire, delete, gc, audit, base-model
-(--upload: the base model's files into the blob store, where replicas fetch them).
+"""Operator CLI `lora-registry` of the adapter registry: push adapter directories (upload with a progress
+bar, resumable, then register), write an example adapter, list, show, promote, canary, rollback, disable,
+enable, retire, delete, collect garbage, read the audit log and register base models.
 
 Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (the server root, e.g.
 http://host:8000, or the control plane's own root; token from --token or LORA_REGISTRY_TOKEN), else opens the
@@ -64,35 +64,50 @@ class HttpBackend:
         return _checked(self._c.request(method, path, **kw))
 
     def upload(self, directory: Path, sha: dict[str, str], name: str) -> str:
-        """Stream the files to the control plane's upload area -> the source URI to register. Transport errors
-        and 5xx are retried; files already uploaded (same hash) are skipped, so a re-run resumes."""
+        """Stream the files to the control plane's upload area -> the source URI to register. Transport errors,
+        5xx and a file cut off are retried from where the server's copy ends (its `partial` bytes); files
+        already uploaded (same hash) are skipped, so a re-run of an interrupted push resumes."""
         import httpx
 
         upload_id = hashlib.sha256(json.dumps(sorted(sha.items())).encode()).hexdigest()[:32]
-        have = self._call("GET", f"/v1/uploads/{upload_id}")["files"]
+        status = self._call("GET", f"/v1/uploads/{upload_id}")
         sizes = {f: (directory / f).stat().st_size for f in sha}
         with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"push {name}", file=sys.stderr) as bar:
+            done = 0  # bytes of the files before this one
             for f in sorted(sha):
-                if have.get(f) == sha[f]:
-                    bar.update(sizes[f])
-                    continue
                 for attempt in range(self.RETRIES):
-                    sent = [0]
+                    if status["files"].get(f) == sha[f]:
+                        r = None
+                        break
+                    offset = status.get("partial", {}).get(f, {}).get(sha[f][:16], 0)
+                    if offset:
+                        tqdm.write(f"push {name}: resuming {f} at byte {offset} of {sizes[f]}", file=sys.stderr)
+                    bar.update(done + offset - bar.n)
                     try:
-                        r = self._c.put(f"/v1/uploads/{upload_id}/{f}", content=_chunks(directory / f, bar, sent),
-                                        headers={"X-Content-SHA256": sha[f]})
+                        r = self._c.put(f"/v1/uploads/{upload_id}/{f}", content=_chunks(directory / f, bar, offset),
+                                        headers={"X-Content-SHA256": sha[f], "X-Upload-Offset": str(offset),
+                                                 "Content-Length": str(sizes[f] - offset)})
                     except httpx.TransportError as e:
                         r, why = None, str(e)
                     else:
                         why = f"HTTP {r.status_code}"
-                    if r is not None and r.status_code < 500:
+                    if r is not None and r.status_code < 500 and r.status_code != 409:
                         break
-                    bar.update(-sent[0])
                     if attempt == self.RETRIES - 1:
                         raise CliError(f"upload of {f} failed after {self.RETRIES} attempts: {why}")
                     time.sleep(0.5 * 2**attempt)
-                have = _checked(r)["files"]
-        return self._call("GET", f"/v1/uploads/{upload_id}")["source_uri"]
+                    status = self._call("GET", f"/v1/uploads/{upload_id}")  # where the server's copy ends now
+                if r is not None:
+                    status = _checked(r)
+                done += sizes[f]
+                bar.update(done - bar.n)
+        return status["source_uri"]
+
+    def base_model_spec(self, name: str) -> dict:
+        found = [m for m in self._call("GET", "/v1/base-models") if m["name"] == name]
+        if not found:
+            raise CliError(f"no base model {name!r} on the server")
+        return found[0]
 
     def register(self, body: dict) -> Any:
         return self._call("POST", "/v1/adapters", json=body)
@@ -135,10 +150,10 @@ def _checked(r) -> Any:
     return r.json()
 
 
-def _chunks(path: Path, bar: tqdm, sent: list[int]):
+def _chunks(path: Path, bar: tqdm, offset: int = 0):
     with path.open("rb") as f:
+        f.seek(offset)
         while chunk := f.read(1 << 20):
-            sent[0] += len(chunk)
             bar.update(len(chunk))
             yield chunk
 
@@ -186,6 +201,9 @@ class LocalBackend:
 
     def base_model(self, name: str, config: dict) -> Any:
         return self._reg.register_base_model(name, config, actor=self._actor).model_dump(mode="json")
+
+    def base_model_spec(self, name: str) -> dict:
+        return self._reg.get_base_model(name).model_dump(mode="json")
 
     def upload_base_model(self, name: str, model_dir: Path) -> Any:
         return self._reg.register_base_model(name, model_dir, actor=self._actor, upload=True).model_dump(mode="json")
@@ -247,48 +265,67 @@ def _push(args, backend, settings: RegistrySettings) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lora-registry", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="lora-registry", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                epilog="Every command prints JSON. `lora-registry COMMAND --help` tells more.")
     p.add_argument("--url", default=os.environ.get("LORA_REGISTRY_URL"),
-                   help="server root, e.g. http://127.0.0.1:8000 (else the registry is opened directly)")
-    p.add_argument("--token", default=os.environ.get("LORA_REGISTRY_TOKEN"), help="bearer token for --url")
+                   help="server root, e.g. http://127.0.0.1:8000 (env LORA_REGISTRY_URL; else the registry is opened "
+                        "directly from its environment settings)")
+    p.add_argument("--token", default=os.environ.get("LORA_REGISTRY_TOKEN"),
+                   help="bearer token for --url (env LORA_REGISTRY_TOKEN)")
     p.add_argument("--actor", default=os.environ.get("USER", "operator"), help="audit 'who' in direct mode")
-    sub = p.add_subparsers(dest="command", required=True)
-    push = sub.add_parser("push", help="upload an adapter directory and register it")
-    push.add_argument("directory")
-    push.add_argument("--name", required=True)
-    push.add_argument("--base-model", required=True)
-    push.add_argument("--tenant")
-    push.add_argument("--visibility", choices=["public", "tenant"], default="public")
-    push.add_argument("--label", action="append", default=[], help="key=value, repeatable")
-    push.add_argument("--description", default="")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    push = sub.add_parser("push", help="upload an adapter directory (progress bar, resumable) and register it")
+    push.add_argument("directory", help="a PEFT output: adapter_config.json and adapter_model.safetensors")
+    push.add_argument("--name", required=True, help="adapter name: 1-64 of [A-Za-z0-9_.-]")
+    push.add_argument("--base-model", required=True, help="a registered base model")
+    push.add_argument("--tenant", help="owner tenant")
+    push.add_argument("--visibility", choices=["public", "tenant"], default="public",
+                      help="tenant: only the owner tenant's API keys see it")
+    push.add_argument("--label", action="append", default=[], help="key=value, repeatable (at most 32)")
+    push.add_argument("--description", default="", help="at most 4000 characters")
     push.add_argument("--activate", action="store_true", help="promote right after validation")
     push.add_argument("--staging", help="direct mode: staging root (local dir under an allowed root, or s3://...)")
+    sp = sub.add_parser("init-example", help="write a small valid example adapter for a registered base model")
+    sp.add_argument("directory", help="where to write it (created; must be empty)")
+    sp.add_argument("--base-model", required=True, help="the registered base model it is for")
+    sp.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of its random factors: another seed, other weights")
+    sp.add_argument("--targets", default="q_proj,v_proj",
+                    help="comma-separated modules (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     sp = sub.add_parser("list", help="one page of adapters, by name")
     sp.add_argument("--cursor", help="next_cursor of the previous page")
     sp.add_argument("--limit", type=int, default=100)
+    sp = sub.add_parser("show", help="an adapter's head and every version")
+    sp.add_argument("name")
+    sp = sub.add_parser("promote", help="make a version the active one")
+    sp.add_argument("name")
+    sp.add_argument("version", type=int)
+    sp = sub.add_parser("canary", help="serve a version to a share of requests beside the active one")
+    sp.add_argument("name")
+    sp.add_argument("version", type=int)
+    sp.add_argument("weight", type=float, help="share of requests, in (0, 1)")
+    sp = sub.add_parser("rollback", help="back to the previous active version (ends a canary)")
+    sp.add_argument("name")
+    sp = sub.add_parser("disable", help="refuse every request for the adapter (403 model_disabled)")
+    sp.add_argument("name")
+    sp = sub.add_parser("enable", help="serve a disabled adapter again")
+    sp.add_argument("name")
+    sp = sub.add_parser("retire", help="withdraw a version for good (not the active one)")
+    sp.add_argument("name")
+    sp.add_argument("version", type=int)
     sp = sub.add_parser("delete", help="delete an adapter (or one --version) and its unshared blobs")
     sp.add_argument("name")
     sp.add_argument("--version", type=int)
     sp.add_argument("--force", action="store_true", help="even the active version")
-    sub.add_parser("gc", help="delete blobs no version references")
-    for cmd in ("show", "rollback", "disable", "enable"):
-        sub.add_parser(cmd).add_argument("name")
-    for cmd in ("promote", "retire"):
-        sp = sub.add_parser(cmd)
-        sp.add_argument("name")
-        sp.add_argument("version", type=int)
-    sp = sub.add_parser("canary")
-    sp.add_argument("name")
-    sp.add_argument("version", type=int)
-    sp.add_argument("weight", type=float)
-    sp = sub.add_parser("audit")
-    sp.add_argument("--name")
-    sp.add_argument("--after", type=int, default=0)
+    sub.add_parser("gc", help="delete blobs no version references (older than BLOB_GC_GRACE_S)")
+    sp = sub.add_parser("audit", help="the audit log: every change and every refusal, newest first")
+    sp.add_argument("--name", help="one adapter's entries")
+    sp.add_argument("--after", type=int, default=0, help="entries after this revision")
     sp.add_argument("--limit", type=int, default=100)
     sp.add_argument("--order", choices=["newest", "oldest"], default="newest")
     sp = sub.add_parser("base-model", help="register a base model from its directory (config.json)")
     sp.add_argument("name")
-    sp.add_argument("model_dir")
+    sp.add_argument("model_dir", help="a Hugging Face model directory")
     sp.add_argument("--upload", action="store_true",
                     help="direct mode: also store the model's files (config, tokenizer, safetensors) in the blob "
                          "store, where replicas fetch it from (serve with model: registry://NAME)")
@@ -299,6 +336,16 @@ def _dispatch(args, backend, settings: RegistrySettings) -> Any:
     match args.command:
         case "push":
             return _push(args, backend, settings)
+        case "init-example":
+            from registry.example_adapter import write_example_adapter
+
+            targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+            try:
+                files = write_example_adapter(Path(args.directory), backend.base_model_spec(args.base_model),
+                                              args.rank, args.seed, targets)
+            except ValueError as e:
+                raise CliError(str(e)) from None
+            return {"directory": str(Path(args.directory).resolve()), "files": files}
         case "list":
             return backend.list(args.cursor, args.limit)
         case "delete":

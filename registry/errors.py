@@ -12,6 +12,7 @@ __all__ = [
     "SourceNotAllowed",
     "LifecycleConflict",
     "PermissionDenied",
+    "RegistryUnavailable",
 ]
 
 
@@ -20,6 +21,7 @@ class RegistryError(Exception):
 
     status: int = 400
     code: str = "registry_error"
+    audited: bool = False  # the refusal is in the audit log already (Registry.audit_refusal)
 
     def __init__(self, message: str, *, code: str | None = None):
         super().__init__(message)
@@ -70,3 +72,17 @@ class LifecycleConflict(RegistryError):
 class PermissionDenied(RegistryError, PermissionError):
     status = 403
     code = "forbidden"
+
+
+class RegistryUnavailable(RegistryError):
+    """A store the registry needs cannot be reached (Redis, S3): the request is not at fault, a retry after
+    `retry_after_s` may succeed. `dependency` is "metadata" (the metadata store) or "blobs" (the blob store)."""
+
+    status = 503
+    code = "registry_unavailable"
+    retry_after_s = 2
+
+    def __init__(self, dependency: str, cause: BaseException):
+        super().__init__(f"the registry's {'metadata store' if dependency == 'metadata' else 'blob store'} is "
+                         f"unreachable ({type(cause).__name__}); retry in a few seconds")
+        self.dependency = dependency

@@ -11,6 +11,7 @@ the by-name index), feed_offsets (hash consumer -> seq), channel events. Both au
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -19,6 +20,7 @@ from typing import Callable
 import redis
 
 from registry.base_model import BaseModelSpec
+from registry.errors import RegistryUnavailable
 from registry.metadata_store import Event, Mutation, changed_versions, removed_versions
 from registry.records import AdapterRecord, AdapterState, AuditEntry
 
@@ -75,10 +77,29 @@ return out
 """
 
 
+# A Redis that cannot be reached (refused, reset, timed out, still loading its data after a restart).
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+def _reachable(method):
+    """Redis out of reach is RegistryUnavailable (the caller answers 503 and retries), not a driver error."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except _UNREACHABLE as e:
+            raise RegistryUnavailable("metadata", e) from e
+    return call
+
+
 class RedisMetadataStore:
     def __init__(self, url: str | None = None, prefix: str = "loraserve:registry", *,
-                 client: redis.Redis | None = None, max_retries: int = 1000, audit_retention: int = 1_000_000):
-        self._r = client or redis.Redis.from_url(url, decode_responses=True)
+                 client: redis.Redis | None = None, max_retries: int = 1000, audit_retention: int = 1_000_000,
+                 timeout_s: float = 5.0):
+        # Timeouts bound how long a call waits on a Redis that stopped answering (the feed's XREAD blocks
+        # 250 ms, well within them).
+        self._r = client or redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
+                                                 socket_connect_timeout=timeout_s)
         self._p = prefix
         self._retention = audit_retention
         self._max_retries = max_retries
@@ -97,12 +118,14 @@ class RedisMetadataStore:
         recs = {int(v): AdapterRecord.model_validate_json(r) for v, r in sorted(versions.items(), key=lambda kv: int(kv[0]))}
         return state.model_copy(update={"versions": recs})
 
+    @_reachable
     def get_state(self, name: str) -> AdapterState | None:
         pipe = self._r.pipeline(transaction=True)  # MULTI so head and versions come from one instant
         pipe.get(self._k("head", name)).hgetall(self._k("versions", name))
         head, versions = pipe.execute()
         return self._decode_state(head, versions)
 
+    @_reachable
     def list_states(self) -> list[AdapterState]:
         names = self._r.zrange(self._k("index"), 0, -1)
         return [s for s in (self.get_state(n) for n in names) if s is not None]
@@ -121,32 +144,41 @@ class RedisMetadataStore:
             out.append(AdapterState.model_validate_json(head).model_copy(update={"versions": {r.version: r for r in found}}))
         return out
 
+    @_reachable
     def get_serving_state(self, name: str) -> AdapterState | None:
         views = self._serving_views([name])
         return views[0] if views else None
 
+    @_reachable
     def page(self, after: str | None, limit: int) -> list[AdapterState]:
         start = f"({after}" if after else "-"
         return self._serving_views(self._r.zrangebylex(self._k("index"), start, "+", start=0, num=limit))
 
     def iter_records(self):
         after = None
-        while names := self._r.zrangebylex(self._k("index"), f"({after}" if after else "-", "+", start=0, num=500):
-            pipe = self._r.pipeline(transaction=False)
-            for n in names:
-                pipe.hvals(self._k("versions", n))
-            for recs in pipe.execute():
-                yield from (AdapterRecord.model_validate_json(r) for r in recs)
-            after = names[-1]
+        try:
+            while names := self._r.zrangebylex(self._k("index"), f"({after}" if after else "-", "+", start=0,
+                                               num=500):
+                pipe = self._r.pipeline(transaction=False)
+                for n in names:
+                    pipe.hvals(self._k("versions", n))
+                for recs in pipe.execute():
+                    yield from (AdapterRecord.model_validate_json(r) for r in recs)
+                after = names[-1]
+        except _UNREACHABLE as e:
+            raise RegistryUnavailable("metadata", e) from e
 
+    @_reachable
     def get_base_model(self, name: str) -> BaseModelSpec | None:
         raw = self._r.hget(self._k("base_models"), name)
         return BaseModelSpec.model_validate_json(raw) if raw else None
 
+    @_reachable
     def list_base_models(self) -> list[BaseModelSpec]:
         raw = self._r.hgetall(self._k("base_models"))
         return [BaseModelSpec.model_validate_json(raw[n]) for n in sorted(raw)]
 
+    @_reachable
     def audit(self, name: str | None = None, after_seq: int = 0, limit: int = 100, *, before_seq: int | None = None,
               newest_first: bool = False) -> list[AuditEntry]:
         # By name, the per-name stream is the index: no scan of other adapters' entries.
@@ -159,6 +191,7 @@ class RedisMetadataStore:
         return [AuditEntry.model_validate_json(fields["entry"]).model_copy(update={"seq": int(sid.split("-")[0])})
                 for sid, fields in batch]
 
+    @_reachable
     def revision(self) -> int:
         return int(self._r.get(self._k("revision")) or 0)
 
@@ -183,6 +216,7 @@ class RedisMetadataStore:
             return mutation, mutation.audit.model_copy(update={"seq": int(seq)})
         raise RuntimeError(f"redis transaction on {name!r} did not converge after {self._max_retries} retries")
 
+    @_reachable
     def update(self, name: str, fn: Callable[[AdapterState | None], Mutation]) -> tuple[AdapterState | None, AuditEntry]:
         head_key, versions_key, tomb_key = self._k("head", name), self._k("versions", name), self._k("tombstones")
 
@@ -207,6 +241,7 @@ class RedisMetadataStore:
         mutation, entry = self._transact([head_key, versions_key, tomb_key], read, compute, name)
         return mutation.state, entry
 
+    @_reachable
     def update_base_model(self, name: str, fn: Callable[[BaseModelSpec | None], Mutation]) -> AuditEntry:
         def read(pipe):
             raw = pipe.hget(self._k("base_models"), name)
@@ -221,6 +256,7 @@ class RedisMetadataStore:
 
         return self._transact([self._k("base_models")], read, compute, name)[1]
 
+    @_reachable
     def append_audit(self, entry: AuditEntry) -> AuditEntry:
         return self._transact([], lambda pipe: None, lambda _: (Mutation(audit=entry), {"versions": {}}),
                               entry.name)[1]
@@ -229,10 +265,12 @@ class RedisMetadataStore:
     # The audit stream is the change feed: its entry ids are the revisions, so a subscriber reads it with
     # XREAD from an offset and replays whatever it missed. A named consumer's offset is kept in the hash
     # `feed_offsets`, so it resumes where it stopped after a restart or a lost connection.
+    @_reachable
     def feed_offset(self, consumer: str) -> int | None:
         raw = self._r.hget(self._k("feed_offsets"), consumer)
         return None if raw is None else int(raw)
 
+    @_reachable
     def subscribe(self, callback: Callable[[Event], None], *, consumer: str | None = None,
                   after: int | None = None) -> Callable[[], None]:
         """Deliver every mutation after revision `after` (default: the consumer's saved offset, else now),

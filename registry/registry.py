@@ -19,15 +19,34 @@ from registry.blob_store import BlobStore, LocalBlobStore
 from registry.catalog import ServingCatalog
 from registry.materialize import materialize_files
 from registry.errors import (AdapterNotFound, BaseModelNotFound, LifecycleConflict, PermissionDenied, RegistryError,
-                             RegistryValidationError)
+                             RegistryUnavailable, RegistryValidationError)
 from registry.metadata_store import Event, MetadataStore, Mutation
 from registry.records import NAME_PATTERN, AdapterRecord, AdapterState, AdapterStatus, AuditEntry, Visibility
 from registry.resolver import resolve_version
 from registry.settings import RegistrySettings
 from registry.sources import SourceFetcher, SourceLimits
+from registry.uploads import UploadArea
 from registry.validation import validate_adapter
 
 __all__ = ["Registry"]
+
+# Labels and descriptions are bounded: they are stored with every version and shown in every listing.
+MAX_LABELS, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_DESCRIPTION = 32, 64, 256, 4000
+
+
+def _label_problem(labels: object, description: object) -> str | None:
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        return "labels must map strings to strings"
+    if len(labels) > MAX_LABELS:
+        return f"too many labels: {len(labels)} > {MAX_LABELS}"
+    for key, value in labels.items():
+        if not key or len(key) > MAX_LABEL_KEY or len(value) > MAX_LABEL_VALUE:
+            return (f"label {key[:40]!r}: keys are 1-{MAX_LABEL_KEY} characters and values at most "
+                    f"{MAX_LABEL_VALUE}")
+    if not isinstance(description, str) or len(description) > MAX_DESCRIPTION:
+        return f"the description must be a string of at most {MAX_DESCRIPTION} characters"
+    return None
+
 
 class Registry:
     def __init__(self, metadata: MetadataStore, blobs: BlobStore, settings: RegistrySettings,
@@ -39,6 +58,8 @@ class Registry:
         self._clock = clock
         self._catalog: ServingCatalog | None = None
         self._catalog_lock = threading.Lock()
+        self.uploads = UploadArea(settings.upload_dir, settings.max_files, settings.max_file_bytes,
+                                  settings.upload_ttl_s)
 
     @classmethod
     def from_settings(cls, settings: RegistrySettings | None = None) -> "Registry":
@@ -46,14 +67,15 @@ class Registry:
         if settings.redis_url:
             from registry.redis_store import RedisMetadataStore
             metadata: MetadataStore = RedisMetadataStore(settings.redis_url, settings.redis_prefix,
-                                                         audit_retention=settings.audit_retention)
+                                                         audit_retention=settings.audit_retention,
+                                                         timeout_s=settings.store_timeout_s)
         else:
             from registry.sqlite_store import SQLiteMetadataStore
             metadata = SQLiteMetadataStore(settings.registry_db, settings.poll_interval_s, settings.audit_retention)
         s3_factory = None
         if settings.s3_bucket or settings.allowed_s3_prefixes:
             from registry.s3_blob_store import make_s3_client
-            s3_factory = lambda: make_s3_client(settings.s3_endpoint_url)  # noqa: E731
+            s3_factory = lambda: make_s3_client(settings.s3_endpoint_url, settings.store_timeout_s)  # noqa: E731
         if settings.s3_bucket:
             from registry.s3_blob_store import S3BlobStore
             blobs: BlobStore = S3BlobStore(s3_factory(), settings.s3_bucket, settings.s3_prefix)
@@ -76,6 +98,11 @@ class Registry:
         """Record the base model's spec (from its config). With `upload`, also store its files (a model
         directory: config, tokenizer, safetensors weights) in the blob store, so replicas can fetch the model
         with `materialize_base` instead of needing it on a local volume."""
+        return self._audited(actor, "register_base_model", str(name), lambda: self._register_base_model(
+            name, model_dir_or_config, actor, aliases, upload))
+
+    def _register_base_model(self, name: str, model_dir_or_config: str | os.PathLike | dict[str, Any], actor: str,
+                             aliases: list[str] | None, upload: bool) -> BaseModelSpec:
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
             raise RegistryValidationError(f"invalid base model name {name!r}", code="invalid_name")
         cfg, found_aliases = load_config(model_dir_or_config)
@@ -120,13 +147,16 @@ class Registry:
             self._reject(shown, actor, source_uri, RegistryValidationError(
                 f"invalid adapter name {shown}: use 1-64 of [A-Za-z0-9_.-], starting with a letter or digit",
                 code="invalid_name"))
+        problem = _label_problem(labels or {}, description)
+        if problem is not None:
+            self._reject(name, actor, source_uri, RegistryValidationError(problem, code="invalid_labels"))
         visibility = Visibility(visibility)
         if visibility == Visibility.tenant and not tenant:
             self._reject(name, actor, source_uri, RegistryValidationError(
                 "visibility 'tenant' needs an owner tenant", code="invalid_request"))
         existing = self.metadata.get_serving_state(name)
         if existing is not None and existing.owner_tenant != tenant:
-            raise PermissionDenied(f"adapter {name!r} belongs to another tenant")
+            self._reject(name, actor, source_uri, PermissionDenied(f"adapter {name!r} belongs to another tenant"))
         try:
             validated, location = self._validate_and_store(base_model, source_uri, sha256)
         except RegistryValidationError as e:
@@ -167,11 +197,22 @@ class Registry:
         return done
 
     def _reject(self, name: str, actor: str, source_uri: object, err: RegistryError, cause: Exception | None = None):
-        """Audit a refused registration (no adapter state is touched) and raise `err`."""
-        self.metadata.append_audit(AuditEntry(seq=0, ts=self._clock(), actor=actor, action="register_rejected",
-                                              name=name, details={"code": err.code, "reason": err.message[:2000],
-                                                                  "source_uri": str(source_uri)[:300]}))
+        """Refuse a registration: remove the upload it named (if it was one), audit the refusal (no adapter state
+        is touched) and raise `err`."""
+        self.uploads.discard_source(source_uri)
+        self.audit_refusal(actor, "register", name, err, {"source_uri": str(source_uri)[:300]})
         raise err from cause
+
+    def audit_refusal(self, actor: str, action: str, name: str, err: RegistryError,
+                      details: dict[str, Any] | None = None) -> None:
+        """Record a refused `action` as `{action}_rejected` (who, why) and mark `err` as recorded. A store out of
+        reach can record nothing: its refusal (a 503) is not audited."""
+        if err.audited or isinstance(err, RegistryUnavailable):
+            return
+        self.metadata.append_audit(AuditEntry(seq=0, ts=self._clock(), actor=actor, action=f"{action}_rejected",
+                                              name=name[:200], details={"code": err.code, "reason": err.message[:2000],
+                                                                        **(details or {})}))
+        err.audited = True
 
     def _validate_and_store(self, base_model: str, source_uri: str, sha256: dict[str, str]):
         spec = self.metadata.get_base_model(base_model) if isinstance(base_model, str) else None
@@ -203,7 +244,7 @@ class Registry:
                                details={"version": version, "force": force}, before=before.head(), after=after.head())
             return Mutation(state=after, audit=audit, delete_adapter=not after.versions)
 
-        return self._delete(name, mutate, [version])
+        return self._delete(name, mutate, [version], actor, "delete_version")
 
     def delete_adapter(self, name: str, *, force: bool = False, actor: str = "system") -> dict:
         """Drop the adapter, every version and their blobs no other record uses. An adapter with an active
@@ -222,9 +263,10 @@ class Registry:
                 seq=0, ts=now, actor=actor, action="delete_adapter", name=name,
                 details={"versions": deleted, "force": force}, before=before.head(), after=None))
 
-        return self._delete(name, mutate, deleted)
+        return self._delete(name, mutate, deleted, actor, "delete_adapter")
 
-    def _delete(self, name: str, mutate: Callable[[AdapterState | None], Mutation], versions: list[int]) -> dict:
+    def _delete(self, name: str, mutate: Callable[[AdapterState | None], Mutation], versions: list[int], actor: str,
+                action: str) -> dict:
         files: dict[int, set[str]] = {}
 
         def capture(before: AdapterState | None) -> Mutation:
@@ -233,7 +275,7 @@ class Registry:
             files.update({v: {f.sha256 for f in r.files.values()} for v, r in (before.versions if before else {}).items()})
             return mutation
 
-        self.metadata.update(name, capture)
+        self._audited(actor, action, name, lambda: self.metadata.update(name, capture))
         candidates = set().union(*(files.get(v, set()) for v in versions))
         return {"name": name, "deleted_versions": sorted(versions), "deleted_blobs": self.collect_garbage(candidates)}
 
@@ -271,8 +313,16 @@ class Registry:
                 seq=0, ts=now, actor=actor, action=action, name=name, version=details.get("version"),
                 details=details, before=before.head(), after=after.head()))
 
-        state, _ = self.metadata.update(name, mutate)
+        state, _ = self._audited(actor, action, name, lambda: self.metadata.update(name, mutate))
         return state
+
+    def _audited(self, actor: str, action: str, name: str, commit: Callable[[], Any]) -> Any:
+        """commit(), its refusal (a RegistryError) audited before it is raised."""
+        try:
+            return commit()
+        except RegistryError as e:
+            self.audit_refusal(actor, action, name, e)
+            raise
 
     def promote(self, name: str, version: int, *, actor: str = "system") -> AdapterState:
         return self._transition(name, "promote", {"version": int(version)}, actor)
@@ -300,7 +350,16 @@ class Registry:
         return state
 
     def resolve(self, name: str, tenant: str | None, request_id: str | None = None) -> AdapterRecord:
-        return resolve_version(self.metadata.get_serving_state(name), name, tenant, request_id)
+        return resolve_version(self.serving_state(name), name, tenant, request_id)
+
+    def serving_state(self, name: str) -> AdapterState | None:
+        """The adapter's head with its active and canary versions only (what `resolve` picks from)."""
+        return self.metadata.get_serving_state(name)
+
+    def ping(self) -> None:
+        """Raise RegistryUnavailable unless the metadata store and the blob store can be reached."""
+        self.metadata.revision()
+        self.blobs.ping()
 
     def catalog(self) -> ServingCatalog:
         with self._catalog_lock:

@@ -28,6 +28,8 @@ class RegistrySettings(BaseSettings):
     s3_bucket: str | None = Field(default=None, description="switches blobs to S3")
     s3_prefix: str = Field(default="blobs", description="key prefix of the content-addressed blobs in the bucket")
     s3_endpoint_url: str | None = Field(default=None, description="custom S3 endpoint (MinIO, moto)")
+    store_timeout_s: float = Field(default=5.0, gt=0, description="longest wait to connect to Redis or S3, or for "
+                                   "Redis to answer, before the registry counts the store unreachable (a 503)")
     blob_dir: Path = Field(default_factory=lambda: default_cache_dir() / "registry" / "blobs")
     materialize_dir: Path = Field(default_factory=lambda: default_cache_dir() / "registry" / "materialized",
                                   description="local cache the serving layer loads adapter files from")

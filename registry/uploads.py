@@ -1,34 +1,53 @@
 """The control plane's upload area: a remote `lora-registry push` streams each file into
 `{upload_dir}/{upload_id}/`, which is an allowed source root, then registers that directory like any other.
 
-The client derives `upload_id` from the files' hashes, so a retried push lands in the same directory and files
-already there with the right hash are skipped. A file is written under a temporary name, hashed while it
-streams, size-capped, and renamed into place only when its sha256 matches: a directory never shows a partial or
-wrong file. Uploads untouched for `ttl_s` are removed when a new one starts (their files were copied into the
-blob store when registered, or never registered).
+The client derives `upload_id` from the files' hashes, so a retried push lands in the same directory. A file
+streams to disk (never held in memory) under a partial name, hashed as it arrives and capped at
+`max_file_bytes`; a push that was cut off resumes where the partial file ends (`offset`, from `status`), the
+hash carried over by reading the part already there. The file is renamed into place only when its sha256
+matches, so a directory never shows a partial or wrong file.
+
+A refusal leaves nothing: a file over the limit (413), a wrong hash or one file too many removes the whole
+upload, as does a refused registration of it (Registry.register). Uploads untouched for `ttl_s` are removed
+when a new one starts (their files were copied into the blob store when registered, or never registered).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from pydantic import BaseModel, Field
 
-from registry.errors import RegistryValidationError
+from registry.errors import LifecycleConflict, RegistryValidationError
 from registry.validation import sha256_file
 
-__all__ = ["UploadArea", "UploadStatus"]
+__all__ = ["UploadArea", "UploadStatus", "UploadTooLarge"]
+
+_CHUNK = 1 << 20
+
+
+class UploadTooLarge(RegistryValidationError):
+    status = 413
 
 
 class UploadStatus(BaseModel):
     source_uri: str = Field(description="register with this source_uri once every file is uploaded")
     files: dict[str, str] = Field(description="file name -> sha256 of the files uploaded so far")
+    partial: dict[str, dict[str, int]] = Field(default_factory=dict, description=(
+        "file name -> {first 16 hex digits of its sha256: bytes received} of files still incomplete: resume one "
+        "with X-Upload-Offset"))
+
+
+def _hash_prefix(path: Path, h) -> None:
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
 
 
 class UploadArea:
@@ -36,14 +55,14 @@ class UploadArea:
     FILE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 
     def __init__(self, root: Path, max_files: int, max_file_bytes: int, ttl_s: float = 86400.0):
-        self._root = Path(root)
+        self.root = Path(root)
+        self.max_file_bytes = max_file_bytes
         self._max_files = max_files
-        self._max_file_bytes = max_file_bytes
         self._ttl_s = ttl_s
 
     def _prune(self) -> None:
         cutoff = time.time() - self._ttl_s
-        for d in self._root.iterdir():
+        for d in self.root.iterdir():
             try:
                 if d.is_dir() and d.stat().st_mtime < cutoff:
                     shutil.rmtree(d, ignore_errors=True)
@@ -51,18 +70,47 @@ class UploadArea:
                 pass
 
     def _dir(self, upload_id: str) -> Path:
-        return Path(os.path.realpath(self._root)) / upload_id
+        return Path(os.path.realpath(self.root)) / upload_id
+
+    @staticmethod
+    def _partial(d: Path, filename: str, sha256: str) -> Path:
+        return d / f".{filename}.{sha256[:16]}.part"
 
     def status(self, upload_id: str) -> UploadStatus:
         d = self._dir(upload_id)
-        files = {p.name: sha256_file(p) for p in sorted(d.iterdir()) if p.is_file() and not p.name.startswith(".")} \
-            if d.is_dir() else {}
-        return UploadStatus(source_uri=str(d), files=files)
+        files, partial = {}, {}
+        for p in sorted(d.iterdir()) if d.is_dir() else ():
+            if p.is_file() and not p.name.startswith("."):
+                files[p.name] = sha256_file(p)
+            elif p.is_file() and p.name.endswith(".part"):
+                name, digest, _ = p.name[1:].rsplit(".", 2)
+                partial.setdefault(name, {})[digest] = p.stat().st_size
+        return UploadStatus(source_uri=str(d), files=files, partial=partial)
 
-    async def put(self, upload_id: str, filename: str, sha256: str, body: AsyncIterator[bytes]) -> UploadStatus:
+    def discard(self, upload_id: str) -> None:
+        shutil.rmtree(self._dir(upload_id), ignore_errors=True)
+
+    def discard_source(self, source_uri: object) -> None:
+        """Remove the upload `source_uri` names, if it is one (a registration of it was refused)."""
+        if isinstance(source_uri, str) and source_uri:
+            path = Path(os.path.realpath(source_uri))
+            if path.parent == Path(os.path.realpath(self.root)) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _refuse(self, upload_id: str, err: RegistryValidationError) -> RegistryValidationError:
+        self.discard(upload_id)
+        return err
+
+    async def put(self, upload_id: str, filename: str, sha256: str, body: AsyncIterator[bytes], offset: int = 0,
+                  length: Optional[int] = None) -> UploadStatus:
+        """Stream one file (from byte `offset` of it on, `length` bytes when the client declared them)."""
         d = self._dir(upload_id)
+        if length is not None and offset + length > self.max_file_bytes:
+            raise self._refuse(upload_id, UploadTooLarge(
+                f"file {filename} is oversize: {offset + length} bytes, more than the upload limit of "
+                f"{self.max_file_bytes} bytes", code="file_too_large"))
         if not d.exists():
-            self._root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True)
             self._prune()
         d.mkdir(parents=True, exist_ok=True)
         dest = d / filename
@@ -72,23 +120,34 @@ class UploadArea:
             return self.status(upload_id)
         present = [p for p in d.iterdir() if not p.name.startswith(".") and p.name != filename]
         if len(present) >= self._max_files:
-            raise RegistryValidationError(f"too many files in upload {upload_id}: limit {self._max_files}",
-                                          code="too_many_files")
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{filename}.")
-        h, size = hashlib.sha256(), 0
-        try:
-            with os.fdopen(fd, "wb") as out:
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > self._max_file_bytes:
-                        raise RegistryValidationError(f"file {filename} is oversize: more than "
-                                                      f"{self._max_file_bytes} bytes", code="file_too_large")
-                    h.update(chunk)
-                    out.write(chunk)
+            raise self._refuse(upload_id, RegistryValidationError(
+                f"too many files in upload {upload_id}: limit {self._max_files}", code="too_many_files"))
+        partial = self._partial(d, filename, sha256)
+        with partial.open("ab") as out:
+            try:
+                fcntl.flock(out, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise LifecycleConflict(f"file {filename} of upload {upload_id} is being uploaded by another "
+                                        f"request", code="upload_in_progress") from None
+            have = out.tell()
+            if offset != have:
+                raise LifecycleConflict(f"upload {upload_id} holds {have} bytes of {filename}; resume from "
+                                        f"X-Upload-Offset: {have}", code="upload_offset_mismatch")
+            h, size = hashlib.sha256(), have
+            if have:
+                _hash_prefix(partial, h)
+            async for chunk in body:  # a client that goes away leaves the part received so far, to resume
+                size += len(chunk)
+                if size > self.max_file_bytes:
+                    raise self._refuse(upload_id, UploadTooLarge(
+                        f"file {filename} is oversize: more than the upload limit of {self.max_file_bytes} bytes",
+                        code="file_too_large"))
+                h.update(chunk)
+                out.write(chunk)
+            out.flush()
             if h.hexdigest() != sha256:
-                raise RegistryValidationError(f"sha256 mismatch for uploaded {filename}: declared {sha256}, "
-                                              f"received {h.hexdigest()} ({size} bytes)", code="sha256_mismatch")
-            os.replace(tmp, dest)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+                raise self._refuse(upload_id, RegistryValidationError(
+                    f"sha256 mismatch for uploaded {filename}: declared {sha256}, received {h.hexdigest()} "
+                    f"({size} bytes)", code="sha256_mismatch"))
+            os.replace(partial, dest)
         return self.status(upload_id)

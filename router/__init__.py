@@ -7,12 +7,14 @@ here, so the pure policy (and the replica code that uses it) imports without Ray
 """
 
 from router.controller import PlacementController, PlacementView
+from router.keys import AdapterKey
 from router.placement import PlacementConfig
 from router.policy import AffinityConfig, ReplicaState, num_homes, rank_for_adapter, rank_for_base, rank_replicas
 from router.popularity import PopularityTracker
 from router.rendezvous import home_replicas
 
 __all__ = [
+    "AdapterKey",
     "AffinityConfig",
     "PlacementConfig",
     "PlacementController",

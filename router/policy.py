@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from router.keys import AdapterKey
 from router.rendezvous import home_replicas
 
 __all__ = [
@@ -31,7 +32,6 @@ __all__ = [
     "is_saturated",
     "rank_for_adapter",
     "rank_for_base",
-    "adapter_family",
     "rank_replicas",
     "RESIDENT_DEVICE",
     "RESIDENT_HOST",
@@ -85,11 +85,6 @@ class ReplicaState:
         return adapter in self.device_adapters or adapter in self.host_adapters
 
 
-def adapter_family(adapter_key: str) -> str:
-    """The part of `name@version` that homes hash on, so a promoted version keeps its homes."""
-    return adapter_key.split("@", 1)[0]
-
-
 def num_homes(share: float, count: float, num_replicas: int, cfg: AffinityConfig) -> int:
     """How many home replicas an adapter gets: 1 when cold, more as its share grows."""
     if num_replicas <= 0:
@@ -119,7 +114,7 @@ def rank_for_adapter(
     shuffled first, so equal scores (say, two idle homes of a hot adapter) are broken at random.
     """
     rng = rng or random
-    family = adapter_family(adapter_key)
+    family = AdapterKey.family(adapter_key)
     planned = {r.replica_id for r in replicas if r.homes is not None and family in r.homes}
     home_ids = planned or set(home_replicas(family, [r.replica_id for r in replicas], homes))
     shuffled = list(replicas)

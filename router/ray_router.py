@@ -16,7 +16,8 @@ from typing import Any, List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.assignments import AssignmentMemory
-from router.policy import AffinityConfig, ReplicaState, adapter_family, num_homes, rank_for_adapter, rank_for_base
+from router.keys import AdapterKey
+from router.policy import AffinityConfig, ReplicaState, num_homes, rank_for_adapter, rank_for_base
 from router.popularity import PopularityTracker
 
 __all__ = ["AffinityRouter", "ROUTER_CLASS_PATH", "replica_state"]
@@ -77,7 +78,7 @@ class AffinityRouter(RequestRouter):
         if not key:
             tiers = rank_for_base(states, self._rng)
         else:
-            family = adapter_family(key)
+            family = AdapterKey.family(key)
             homes = num_homes(
                 self._popularity.share(family), self._popularity.count(family), len(states), self._cfg
             )
@@ -89,7 +90,7 @@ class AffinityRouter(RequestRouter):
         key = pending_request.metadata.multiplexed_model_id
         if key:
             self._assignments.note(key, replica_id.unique_id)
-            self._popularity.record(adapter_family(key))
+            self._popularity.record(AdapterKey.family(key))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -1,11 +1,12 @@
 """Speculative LoRA-off drafting: the base model drafts, one adapter-on pass verifies.
 
-- `gate.py`: the per-step plan (plain step or cycle, draft lengths) and its cost model;
-- `cycle.py`: the drafting passes, the verify pass and settling the tokens;
-- `verify.py`: acceptance of drafts, greedy and by rejection sampling (pure functions);
-- `acceptance.py`, `cost.py`: per-adapter acceptance estimates and measured pass times."""
+- `gate.py`: the per-step plan (plain step or cycle, draft lengths), from `pricing.py`'s cost model;
+- `plan.py`: a step as data (which rows run in which forward, where each input comes from), pure;
+- `cycle.py`: what a cycle makes of each sequence of the batch (the planner's rows);
+- `verify.py`: acceptance of drafts;
+- `acceptance.py`, `cost.py`: per-adapter acceptance estimates and measured pass times.
+The executor that runs every step's plan, plain or speculative, is engine_ext/executor.py."""
 
-from .cycle import DraftCycle
 from .gate import Decision, Gate, NoSpeculation, Plan, StepResult
 
-__all__ = ["Decision", "DraftCycle", "Gate", "NoSpeculation", "Plan", "StepResult"]
+__all__ = ["Decision", "Gate", "NoSpeculation", "Plan", "StepResult"]

@@ -1,12 +1,9 @@
 """When drafting pays: per step, a plan (plain step or speculative cycle, and each sequence's draft length)
 from a cost model fed by measured pass times and per-adapter acceptance.
 
-A cycle that drafts m tokens for a sequence whose drafts are accepted with probability a yields
-E(a, m) = (1 - a^(m+1)) / (1 - a) tokens. It costs its overhead (host work paid once per cycle) plus
-M = max m base-only passes plus one adapter-on verify pass over sum(m + 1) tokens, against one plain
-adapter-on step per token. The overhead being paid once whatever M is makes longer cycles cheaper per
-token. Plain steps are priced by the wall time of the whole engine step (scheduling and output processing
-included, which a plain step pays per token and a cycle once)."""
+The arithmetic is pricing.py's (pure functions); this holds the state it reads: measured pass times, per-adapter
+acceptance, probes and holds. Plain steps are priced by the wall time of a whole engine step (host work the device
+does not hide included, which a plain step pays per token and a cycle once)."""
 
 from __future__ import annotations
 
@@ -19,7 +16,8 @@ from ..config import SpecConfig
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 from ..stats import EngineStats, SpecStats
-from .acceptance import AdapterAcceptance, expected_tokens, useful_drafts
+from . import pricing
+from .acceptance import AdapterAcceptance
 from .cost import StepTimes
 
 logger = logging.getLogger(__name__)
@@ -47,20 +45,25 @@ _SPECULATE = {Decision.SPECULATE, Decision.SPECULATE_FORCED, Decision.SPECULATE_
 
 @dataclass
 class Plan:
-    """What one engine step runs."""
+    """What one engine step runs. Per-sequence lists are aligned with `seqs`."""
 
     seqs: list[Sequence] = field(default_factory=list)  # the scheduled batch
     speculate: bool = False
-    lengths: dict[int, int] = field(default_factory=dict)  # id(seq) -> draft length, adapter sequences decoding
-    # Sequences decoding in every drafting pass, each pass a plain step for them: base-only ones, and adapter ones
-    # that ride (Gate.rides) with their adapter on in those passes instead of drafting
-    riders: list[Sequence] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # per sequence: its draft length (0: it drafts nothing)
+    # Per sequence: it decodes in every drafting pass, each pass a plain step for it: a base-only one, or an adapter
+    # one that rides (Gate.rides) with its adapter on in those passes instead of drafting
+    ride: list[bool] = field(default_factory=list)
     decoding: int = 0  # sequences decoding (the rest are prefills)
     distinct: int = 0  # distinct adapters among the decoding sequences
     timed: bool = True  # False while the step may capture CUDA graphs: its times are no pass's
     # How many tokens a prompt computed in one of the cycle's drafting passes may draft in the passes after it
-    # (Gate.prompt_drafts; the cycle caps it by the passes left and the tokens it may still generate)
+    # (Gate.prompt_drafts; the planner caps it by the passes left and the tokens it may still generate)
     prompt_drafts: Callable[[Sequence], int] = field(default=lambda s: 0, repr=False)
+
+    @property
+    def passes(self) -> int:
+        """Drafting passes: the longest draft (0: a plain step)."""
+        return max(self.lengths, default=0) if self.speculate else 0
 
 
 @dataclass
@@ -77,7 +80,7 @@ class NoSpeculation:
     lookahead = 0
 
     def plan(self, batch: ScheduledBatch) -> Plan:
-        return Plan(seqs=batch.seqs)
+        return Plan(seqs=batch.seqs, lengths=[0] * len(batch.seqs), ride=[False] * len(batch.seqs))
 
     def observe(self, plan: Plan, result: StepResult, seconds: float) -> None:
         pass
@@ -114,10 +117,6 @@ class Gate:
         self._probed = False  # the last cycle was a probe, and no decision since has judged it
         self._reserve = True  # reserve drafting room at the next schedule
         self._hold, self._hold_names = 0, []  # plain steps left without re-pricing, and for which batch
-        # draft_lengths' pick for the current batch (adapters, lengths, rate, slowest), which decide() reuses,
-        # and its last search (inputs, (lengths, rate, slowest)), which the next call with equal inputs reuses
-        self._choice: tuple[list[str], list[int], float | None, list[int] | None] | None = None
-        self._search: tuple[tuple, tuple[list[int], float | None, list[int] | None]] | None = None
 
     # ------------------------------------------------------------ the step
     @property
@@ -127,26 +126,30 @@ class Gate:
         return self.cfg.num_draft_tokens if self._reserve else 0
 
     def plan(self, batch: ScheduledBatch) -> Plan:
-        decoding = [s for s in batch.seqs if not s.is_prefill]
-        lora = [s for s in decoding if s.adapter is not None]
+        seqs = batch.seqs
+        decoding = [not s.is_prefill for s in seqs]
+        lora = [s for s, d in zip(seqs, decoding) if d and s.adapter is not None]
         names = [s.adapter for s in lora]
-        plan = Plan(seqs=batch.seqs, riders=[s for s in decoding if s.adapter is None], decoding=len(decoding),
-                    distinct=len(set(names)), timed=not self.capturing())
+        plan = Plan(seqs=seqs, lengths=[0] * len(seqs), ride=[d and s.adapter is None for s, d in zip(seqs, decoding)],
+                    decoding=sum(decoding), distinct=len(set(names)), timed=not self.capturing())
         if batch.empty:
             return plan
         ride = [self.rides(s) for s in lora]
-        lengths = self._choose(lora, names, len(decoding), len(plan.riders), batch, ride)
+        lengths = self._choose(lora, names, plan.decoding, plan.decoding - len(lora), batch, ride)
         self.note_step(names, lengths)
         if lengths is None:
             self.counters.plain_steps += 1
-        else:
-            self.counters.cycles += 1
-            plan.speculate, plan.lengths = True, dict(zip(map(id, lora), lengths))
-            chosen: dict[str, int] = {}
-            for name, m in zip(names, lengths):
-                chosen[name] = max(m, chosen.get(name, 0))
-            plan.prompt_drafts = lambda s: self.prompt_drafts(s, chosen)
-            plan.riders += [s for s, r in zip(lora, ride) if r]
+            return plan
+        self.counters.cycles += 1
+        chosen: dict[str, int] = {}
+        for name, m in zip(names, lengths):
+            chosen[name] = max(m, chosen.get(name, 0))
+        at = iter(zip(lengths, ride))
+        for i, (s, d) in enumerate(zip(seqs, decoding)):
+            if d and s.adapter is not None:
+                plan.lengths[i], plan.ride[i] = next(at)
+        plan.speculate = True
+        plan.prompt_drafts = lambda s: self.prompt_drafts(s, chosen)
         return plan
 
     def prompt_drafts(self, s: Sequence, chosen: dict[str, int]) -> int:
@@ -197,9 +200,10 @@ class Gate:
         return lengths if speculate else None
 
     def observe(self, plan: Plan, result: StepResult, seconds: float) -> None:
-        """After the step (`seconds`: its whole wall time): per-adapter acceptance from the verify pass, and pass
-        times: each measured pass, then the rest of a cycle's step as its overhead, or a decode-only plain step
-        at its whole time (a step with prompts in it prices no plain decoding)."""
+        """After the step is read (`seconds`: its whole time, from its scheduling to the next step's):
+        per-adapter acceptance from the verify pass, and pass times: each measured pass, then the rest of a cycle's
+        step as its overhead, or a decode-only plain step at its whole time (a step with prompts in it prices no
+        plain decoding)."""
         for name, drafted, accepted in result.verifies:
             self.adapter(name).observe(drafted, accepted, self.cfg.acceptance_ema)
             self.stats.adapter(name).observe_verify(drafted, accepted)
@@ -267,66 +271,34 @@ class Gate:
     # ------------------------------------------------------------ the cost model
     def draft_lengths(self, adapters: list[str], caps: list[int], batch: int,
                       left: list[int] | None = None, ride: list[bool] | None = None) -> list[int]:
-        """Per adapter sequence, a draft length in 0..min(k, cap).
-
-        For each M in 1..k every adapter first drafts M, none if it rides (`ride`, see `rides`: it decodes in the
-        M passes), or one token if its acceptance is below `min_acceptance` (its first draft costs one verify
-        token and keeps its estimate current); then, once the
-        verify pass's cost per token is known (two measured sizes), each keeps only the drafts that repay their
-        verify tokens, and at least one: its j-th draft adds a^j expected tokens for one more verify token, worth
-        it while a^j >= rate x seconds per verify token (rate: the cycle's predicted tokens per second). M
-        maximises the predicted rate. With nothing measured yet, M = 1: the cheapest cycle that measures both
-        pass kinds.
+        """Per adapter sequence, a draft length in 0..min(k, cap) (pricing.best_lengths; with the gate off, k; when a
+        probe is due, 1: a long run of plain steps re-measures drafting with the cheapest cycle).
 
         `left` (each sequence's tokens to go) marks a closed batch: nothing waits to join it, so it is done when
         its slowest sequence is. With a laggard among them (`_estimates`), the rate is the batch's tokens over the
         time its slowest sequence takes, and no draft is pruned: priced by tokens per second alone, a batch of
         mixed adapters keeps cycling for its fast ones while its slow ones fall behind and then finish alone."""
         k = self.cfg.num_draft_tokens
-        self._choice = None
         if not self.cfg.gate:
             return [min(k, c) for c in caps]
-        ride = ride or [False] * len(adapters)
-        riding = _riding(adapters, ride)
-        accs, slowest = self._estimates(adapters, left)
-        low = [a < self.cfg.min_acceptance for a in accs]
-
-        def lengths(passes: int) -> list[int]:
-            return [0 if r else min(1 if lo else passes, cap) for r, lo, cap in zip(ride, low, caps)]
-
+        priced = self._batch(adapters, caps, batch - len(adapters), left, ride)
         if self.probe_due():
-            return lengths(1)  # a long run of plain steps re-measures drafting with the cheapest cycle
-        num_base = batch - len(adapters)
-        distinct = len(set(adapters))
-        # The same inputs give the same lengths: in a run of plain steps (where only plain's price moves) the
-        # search below would otherwise be paid again every step.
-        key = (tuple(accs), tuple(caps), batch, distinct, self.times.version, slowest and tuple(slowest), tuple(ride))
-        if self._search is not None and self._search[0] == key:
-            self._choice = (adapters, *self._search[1])
-            return self._choice[1]
-        best, best_rate = lengths(1), None
-        for passes in range(1, k + 1):
-            cand = lengths(passes)
-            rate = self._rate(accs, cand, num_base, distinct, slowest, ride, riding)
-            if rate is None:
-                continue
-            per_token = self.times.slope("lora", sum(cand) + len(cand) + num_base, distinct)
-            if per_token > 0 and passes > 1 and left is None:  # (a closed batch waits for its slowest: keep drafts)
-                worth = rate * per_token
-                pruned = [min(m, max(1, useful_drafts(a, worth))) if m > 1 else m for m, a in zip(cand, accs)]
-                if pruned != cand:
-                    cand, rate = pruned, self._rate(accs, pruned, num_base, distinct, None, ride, riding)
-            if best_rate is None or rate > best_rate:
-                best, best_rate = cand, rate
-        self._search = (key, (best, best_rate, slowest))
-        self._choice = (adapters, best, best_rate, slowest)
-        return best
+            return pricing.lengths_for(priced, 1, self.cfg.min_acceptance)
+        return pricing.best_lengths(self.times, priced, k, self.cfg.min_acceptance)[0]
+
+    def _batch(self, adapters: list[str], caps: list[int] | None, num_base: int, left: list[int] | None,
+               ride: list[bool] | None) -> pricing.Batch:
+        ride = ride or [False] * len(adapters)
+        accs, slowest = self._estimates(adapters, left)
+        return pricing.Batch(tuple(accs), tuple(caps or [self.cfg.num_draft_tokens] * len(adapters)), tuple(ride),
+                             num_base, len(set(adapters)), _riding(adapters, ride), closed=left is not None,
+                             slowest=tuple(slowest) if slowest else None)
 
     def _estimates(self, adapters: list[str], left: list[int] | None) -> tuple[list[float], list[int] | None]:
         """Each sequence's acceptance (its adapter's estimate), and `left` again if the closed batch is priced by
-        its slowest sequence (`_rate`), else None. That takes a laggard: an estimate, pulled towards the batch's
-        pooled one by SHRINK_DRAFTS judged drafts, still LAGGARD below it, once every adapter has EVIDENCE judged
-        drafts. Without the shrinkage the slowest of many estimates of one acceptance is low by chance, and
+        its slowest sequence (`pricing.cycle_rate`), else None. That takes a laggard: an estimate, pulled towards the
+        batch's pooled one by SHRINK_DRAFTS judged drafts, still LAGGARD below it, once every adapter has EVIDENCE
+        judged drafts. Without the shrinkage the slowest of many estimates of one acceptance is low by chance, and
         without the evidence bar one unlucky first draft prices the batch."""
         accs = [self.adapter(n) for n in adapters]
         if not left or min(a.judged_weight for a in accs) < self.EVIDENCE:
@@ -338,45 +310,15 @@ class Gate:
             return [a.ema for a in accs], None
         return shrunk, left
 
-    def adapter_on_time(self, tokens: int, distinct: int) -> float | None:
-        """An adapter-on pass of `tokens` tokens: from the verify passes measured (`StepTimes.get`), else, before
-        any cycle, the nearest plain step (optimistic for a larger pass: a decision it drives measures the size).
-        A plain step is not used once verify passes are measured: its time includes host work that the cycle's
-        overhead already counts."""
-        t = self.times.get("lora", tokens, distinct)
-        return t if t is not None else self.times.get("plain", tokens, distinct)
-
     def predicted_rate(self, adapters: list[str], lengths: list[int], num_base: int) -> float | None:
         """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured)."""
-        return self._rate([self.adapter(a).ema for a in adapters], lengths, num_base, len(set(adapters)))
-
-    def _rate(self, accs: list[float], lengths: list[int], num_base: int, distinct: int,
-              slowest: list[int] | None = None, ride: list[bool] | None = None, riding: int = 0) -> float | None:
-        """predicted_rate's arithmetic. `slowest`: a closed batch's tokens to go, when its slowest sequence prices
-        it (`_estimates`): the batch's tokens over the time that sequence takes at this cycle. `ride`: which
-        adapter sequences ride (a token per pass, like a base-only one), `riding` their distinct adapters, which
-        the drafting passes then read (priced as base passes with that many adapters)."""
-        passes = max(lengths, default=0)
-        if not passes:
-            return None
-        batch = len(accs) + num_base
-        t_base = self.times.get("base", batch, riding)
-        t_verify = self.adapter_on_time(sum(lengths) + len(lengths) + num_base, distinct)
-        if t_base is None or t_verify is None:
-            return None
-        t_over = self.times.get("overhead", batch, 0) or 0.0
-        t_cycle = t_over + passes * t_base + t_verify
-        gains = [passes + 1.0 if r else expected_tokens(a, m) for a, m, r in zip(accs, lengths, ride or [False] * len(accs))]
-        if slowest:
-            return sum(slowest) / (max(n / g for n, g in zip(slowest, gains)) * t_cycle)
-        return (sum(gains) + num_base * (passes + 1)) / t_cycle
+        return pricing.cycle_rate(self.times, self._batch(adapters, None, num_base, None, None), lengths)
 
     def decide(self, adapters: list[str], lengths: list[int], num_base: int, caps: list[int] | None = None,
                left: list[int] | None = None, ride: list[bool] | None = None, prompts: int = 0) -> bool:
         """True: run a speculative cycle with these draft lengths (one per adapter sequence);
         False: a plain multi-LoRA step. `num_base`: base-only sequences decoding beside them; `prompts`: prompts
         in the step's batch."""
-        batch, distinct = len(adapters) + num_base, len(set(adapters))
         self.last_margin = None
         if not self.cfg.gate:
             forced = any(lengths)
@@ -393,14 +335,12 @@ class Gate:
         if self.probe_due():
             self.count(Decision.SPECULATE_PROBE, f"{self.plain_streak} plain steps in a row: re-measure drafting")
             return True
+        priced = self._batch(adapters, caps, num_base, left, ride)
+        batch, distinct = len(adapters) + num_base, priced.distinct
         # Plain is priced only from plain steps of this batch size: a batch size not measured yet is measured by
         # one plain step (priced from another size or an adapter-on pass, plain would look dearer than it is).
         t_plain = self.times.get("plain", batch, distinct, exact=True)
-        if self._choice is not None and self._choice[0] == adapters and self._choice[1] == lengths:
-            spec_rate, slowest = self._choice[2], self._choice[3]  # the rate draft_lengths priced these lengths at
-        else:
-            accs, slowest = self._estimates(adapters, left)
-            spec_rate = self._rate(accs, lengths, num_base, distinct, slowest, ride, _riding(adapters, ride or []))
+        spec_rate = pricing.cycle_rate(self.times, priced, lengths)
         if spec_rate is None:
             self.count(Decision.SPECULATE_EXPLORE, "no base-only or adapter-on pass measured yet")
             return True
@@ -414,7 +354,7 @@ class Gate:
         if t_plain is None:
             self.count(Decision.PLAIN_EXPLORE, "plain step time at this batch not measured yet")
             return False
-        plain_rate = sum(slowest) / (max(slowest) * t_plain) if slowest else (len(lengths) + num_base) / t_plain
+        plain_rate = pricing.plain_rate(priced, t_plain)
         if spec_rate > plain_rate:
             self.count(Decision.SPECULATE, f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
             return True

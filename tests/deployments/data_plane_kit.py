@@ -65,7 +65,8 @@ def build(tmp, **deps_overrides) -> Kit:
 
     from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
     from deployments.config import load_config
-    from deployments.llm_server import LLMServer, engine_config
+    from deployments.engine_settings import engine_config
+    from deployments.llm_server import LLMServer
     from deployments.openai_api import IngressDeps, create_openai_app
     from deployments.rate_limit import ColdLoadGate, RateLimiter
     from engine_ext import AsyncLLMEngine

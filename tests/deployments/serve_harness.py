@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-KEYS = {"sk-test-acme-0001": "acme", "sk-test-globex-01": "globex", "sk-test-limited-1": "limited"}
-ADMIN = "test-admin-token-123"
+# The development defaults are there too (DEFAULT_API_KEY -> "default", DEFAULT_ADMIN_TOKEN), so a page that
+# uses them (docs/operator.md) runs against this app as printed.
+KEYS = {"sk-test-acme-0001": "acme", "sk-test-globex-01": "globex", "sk-test-limited-1": "limited",
+        "sk-loraserve-dev": "default"}
+ADMIN = "loraserve-admin-dev"
+UPLOAD_LIMIT = 64 * 2**20  # the registry's max_file_bytes here: the upload limit
 AFFINITY_ADAPTERS = [f"aff-{i:02d}" for i in range(20)]
 APP_NAME = "loraserve"
 
@@ -108,7 +112,10 @@ def _start() -> ServeApp:
         "blob_dir": str(root / "blobs"),
         "materialize_dir": str(root / "materialized"),
         "allowed_local_roots": [str(incoming)],
+        "upload_dir": str(root / "uploads"),
         "poll_interval_s": 0.2,
+        "max_file_bytes": UPLOAD_LIMIT,
+        "max_lora_rank": 8192,  # registration only (the engine's is 64): a 50 MB adapter of the demo's shapes
     }
     args = {
         "demo_recipe": "quick",  # the demo's code path at test size
@@ -128,11 +135,21 @@ def _start() -> ServeApp:
     reg = make_registry(cfg)
     _register_fixtures(reg, incoming, cfg.base_model_name, demo)
 
+    aws_test_credentials()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(bind_app(cfg), name=APP_NAME, route_prefix="/")
     return ServeApp(f"http://127.0.0.1:{port}", cfg.base_model_name, demo, root, reg)
+
+
+def aws_test_credentials() -> None:
+    """Credentials for moto's S3 (it takes any) in this process, before Ray starts: its workers inherit them."""
+    import os
+
+    for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(key, value)
 
 
 def _stop(app: Optional[ServeApp]) -> None:
@@ -159,6 +176,7 @@ def deployed(cfg, app: str, route_prefix: str):
 
     owns = not ray.is_initialized()
     if owns:
+        aws_test_credentials()
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -1,106 +1,156 @@
+"""The replica's adapter bookkeeping over the engine (`ReplicaAdapters`), with a fake engine and registry: the
+engine's host cache is the one record of residency; the replica loads through the registry once per version,
+refuses disabled adapters, withdraws versions no longer served and orders the engine's evictions."""
+
 import asyncio
+from dataclasses import dataclass
 
 import pytest
 
-from deployments.adapter_cache import AdapterBlocked, AdapterCache, adapter_key, split_key
+from deployments.replica_adapters import AdapterBlocked, ReplicaAdapters
+from deployments.replica_placement import ReplicaPlacement
+from router.placement import PlacementConfig
+
+
+@dataclass
+class Rec:
+    name: str
+    version: int
 
 
 class Engine:
-    def __init__(self, delay=0.0, fail=()):
-        self.known, self.loads, self.removed, self.delay, self.fail = set(), [], [], delay, set(fail)
+    """The engine's adapter surface: registrations, a host LRU of `capacity` with an eviction hook."""
 
-    async def load(self, key):
-        self.loads.append(key)
-        await asyncio.sleep(self.delay)
+    def __init__(self, capacity=8, fail=()):
+        self.paths, self.host, self.capacity, self.fail, self.added = {}, [], capacity, set(fail), []
+        self.choose = lambda candidates: candidates[0]
+
+    def set_host_eviction(self, choose):
+        self.choose = choose
+
+    def has_adapter(self, key):
+        return key in self.paths
+
+    def host_adapters(self):
+        return list(self.host)
+
+    def add_adapter(self, key, path):
+        self.added.append(key)
         if key in self.fail:
             raise ValueError(f"bad adapter {key}")
-        self.known.add(key)
+        self.paths[key] = path
+        self.host.append(key)
+        while len(self.host) > self.capacity:
+            victim = self.choose([k for k in self.host if k != key])
+            if victim is None:
+                break
+            self.host.remove(victim)
 
-    def unload(self, key):
-        self.removed.append(key)
-        self.known.discard(key)
+
+class Registry:
+    def __init__(self, delay=0.0):
+        self.delay, self.materialized, self.gets = delay, [], []
+
+    def get(self, name):
+        self.gets.append(name)
+
+        class State:
+            versions = {v: Rec(name, v) for v in range(1, 5)}
+        return State()
+
+    def materialize(self, rec):
+        import time
+
+        time.sleep(self.delay)
+        self.materialized.append((rec.name, rec.version))
+        return f"/mat/{rec.name}/v{rec.version}"
+
+
+def make(engine=None, registry=None, tiers=None):
+    placement = ReplicaPlacement(PlacementConfig(), clock=lambda: 0.0)
+    placement.share = {"version": 1, "tiers": tiers or {}}
+    engine, registry = engine or Engine(), registry or Registry()
+    return ReplicaAdapters(engine, registry, placement), engine, registry, placement
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_keys():
-    assert adapter_key("sql", 3) == "sql@3" and split_key("sql@3") == ("sql", 3)
-    assert split_key("a@b@2") == ("a@b", 2)
-
-
-def test_concurrent_requests_load_once():
+def test_concurrent_requests_load_once_through_the_record_the_ingress_resolved():
     async def scenario():
-        eng = Engine(delay=0.02)
-        cache = AdapterCache(eng.load, eng.unload)
-        leases = await asyncio.gather(*(cache.acquire("a@1") for _ in range(5)))
-        assert eng.loads == ["a@1"] and cache.loads == 1
-        assert [lease.hit for lease in leases] == [False] * 5
-        assert (await cache.acquire("a@1")).hit
-        assert cache.known() == ["a@1"]
+        adapters, engine, registry, _ = make(registry=Registry(delay=0.05))
+        results = await asyncio.gather(*(adapters.acquire("a@1", Rec("a", 1)) for _ in range(5)))
+        assert engine.added == ["a@1"] and registry.materialized == [("a", 1)]
+        assert registry.gets == []  # the record came with the request
+        assert [hit for hit, _ in results] == [False] * 5
+        assert (await adapters.acquire("a@1"))[0] is True
+        assert adapters.known() == ["a@1"]
 
     run(scenario())
 
 
-def test_failed_load_propagates_to_all_waiters_and_retries_later():
+def test_a_prefetch_reads_the_record_from_the_registry():
     async def scenario():
-        eng = Engine(delay=0.01, fail={"a@1"})
-        cache = AdapterCache(eng.load, eng.unload)
-        results = await asyncio.gather(*(cache.acquire("a@1") for _ in range(3)), return_exceptions=True)
-        assert all(isinstance(r, ValueError) for r in results)
-        eng.fail.clear()
-        assert not (await cache.acquire("a@1")).hit
-        assert eng.loads == ["a@1", "a@1"]
+        adapters, engine, registry, _ = make()
+        await adapters.acquire("b@2")
+        assert registry.gets == ["b"] and registry.materialized == [("b", 2)] and engine.has_adapter("b@2")
 
     run(scenario())
 
 
-def test_retire_waits_for_in_flight_requests():
+def test_failed_load_propagates_to_all_waiters_and_is_tried_again_later():
     async def scenario():
-        eng = Engine()
-        cache = AdapterCache(eng.load, eng.unload)
-        await cache.acquire("a@1")  # in flight
-        await cache.acquire("a@2")
-        cache.release("a@2")
-        cache.retire("a", keep=frozenset({"a@2"}))
-        assert eng.removed == [] and cache.known() == ["a@2"]
-        with pytest.raises(AdapterBlocked):
-            await cache.acquire("a@1")  # no new requests for a withdrawn version
-        cache.release("a@1")
-        assert eng.removed == ["a@1"]
+        adapters, engine, registry, _ = make(engine=Engine(fail={"a@1"}), registry=Registry(delay=0.02))
+        results = await asyncio.gather(*(adapters.acquire("a@1") for _ in range(3)), return_exceptions=True)
+        assert all(isinstance(r, ValueError) for r in results) and engine.added == ["a@1"]
+        engine.fail.clear()
+        assert (await adapters.acquire("a@1"))[0] is False
+        assert engine.added == ["a@1", "a@1"]
+
+    run(scenario())
+
+
+def test_retired_versions_are_not_offered_but_still_served_to_a_late_request():
+    async def scenario():
+        adapters, engine, _, _ = make()
+        for key in ("a@1", "a@2"):
+            await adapters.acquire(key)
+        adapters.retire("a", keep=frozenset({"a@2"}))
+        assert adapters.known() == ["a@2"] and engine.host_adapters() == ["a@1", "a@2"]
+        assert (await adapters.acquire("a@1"))[0] is True  # resolved before the promote: served
+        adapters.retire("a", keep=frozenset({"a@1", "a@2"}))  # rolled back
+        assert adapters.known() == ["a@1", "a@2"]
 
     run(scenario())
 
 
 def test_block_refuses_and_unblock_allows():
     async def scenario():
-        eng = Engine()
-        cache = AdapterCache(eng.load, eng.unload)
-        await cache.acquire("a@1")
-        cache.release("a@1")
-        cache.block("a")
-        assert eng.removed == ["a@1"]
+        adapters, _, _, _ = make()
+        await adapters.acquire("a@1")
+        adapters.block("a")
+        assert adapters.known() == [] and adapters.blocked() == ["a"]
         with pytest.raises(AdapterBlocked):
-            await cache.acquire("a@1")
-        cache.unblock("a")
-        assert not (await cache.acquire("a@1")).hit
+            await adapters.acquire("a@1")
+        adapters.unblock("a")
+        assert (await adapters.acquire("a@1"))[0] is True and adapters.known() == ["a@1"]
 
     run(scenario())
 
 
-def test_capacity_evicts_least_recently_used_idle():
+def test_the_engine_evicts_withdrawn_versions_then_by_placement_and_keeps_homes():
     async def scenario():
-        eng = Engine()
-        cache = AdapterCache(eng.load, eng.unload, max_known=2)
-        for k in ("a@1", "b@1"):
-            await cache.acquire(k)
-            cache.release(k)
-        await cache.acquire("a@1")
-        cache.release("a@1")  # a is now more recent than b
-        await cache.acquire("c@1")
-        assert eng.removed == ["b@1"] and sorted(cache.known()) == ["a@1", "c@1"]
-        with pytest.raises(ValueError):
-            AdapterCache(eng.load, eng.unload, max_known=0)
+        adapters, engine, _, placement = make(engine=Engine(capacity=3), tiers={"w": "warm", "c": "cold"})
+        for key in ("w@1", "x@1", "c@1"):
+            await adapters.acquire(key)
+        for _ in range(3):
+            placement.note_request("x@1")
+        await adapters.acquire("y@1")  # over by one: x (homed elsewhere) before the cold home c; w stays
+        assert engine.host_adapters() == ["w@1", "c@1", "y@1"]
+        adapters.retire("c", keep=frozenset())
+        await adapters.acquire("z@1")  # a withdrawn version goes first, even before a copy homed elsewhere
+        assert engine.host_adapters() == ["w@1", "y@1", "z@1"]
+        assert adapters.choose_victim(["w@1"]) is None  # a warm home is never chosen
 
     run(scenario())

@@ -11,7 +11,7 @@ import pytest
 from tests.deployments.serve_harness import ADMIN, KEYS
 
 pytestmark = pytest.mark.slow
-ACME, GLOBEX, LIMITED = list(KEYS)
+ACME, GLOBEX, LIMITED = list(KEYS)[:3]
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 
@@ -207,13 +207,13 @@ def test_metrics_after_traffic(serve_app):
         c.completions.create(model="no-such-adapter", prompt="x", max_tokens=1)
     text = httpx.get(serve_app.base_url + "/metrics").text
     series = [
-        f'loraserve_requests_total{{adapter="{name}",status="200",tenant="acme"}}',
-        f'loraserve_ttft_seconds_count{{adapter="{name}",tenant="acme"}}',
-        f'loraserve_inter_token_seconds_count{{adapter="{name}",tenant="acme"}}',
-        f'loraserve_completion_tokens_total{{adapter="{name}",tenant="acme"}}',
-        f'loraserve_queue_seconds_count{{adapter="{name}",tenant="acme"}}',
-        f'loraserve_tokens_per_second_count{{adapter="{name}",tenant="acme"}}',
-        'loraserve_errors_total{adapter="-",code="model_not_found",tenant="acme"}',
+        f'loraserve_requests_total{{adapter="{name}",status="200",tenant="private"}}',
+        f'loraserve_ttft_seconds_count{{adapter="{name}",tenant="private"}}',
+        f'loraserve_inter_token_seconds_count{{adapter="{name}",tenant="private"}}',
+        f'loraserve_completion_tokens_total{{adapter="{name}",tenant="private"}}',
+        f'loraserve_queue_seconds_count{{adapter="{name}",tenant="private"}}',
+        f'loraserve_tokens_per_second_count{{adapter="{name}",tenant="private"}}',
+        'loraserve_errors_total{adapter="-",code="model_not_found",tenant="private"}',
         "loraserve_batch_size_count",
         "loraserve_replica_free_kv_blocks{",
         "loraserve_adapter_hits_total{",
@@ -226,3 +226,25 @@ def test_metrics_after_traffic(serve_app):
         hits = [v for k, v in values.items() if k.startswith(s) or k == s]
         assert hits and max(hits) > 0, s
     assert values[series[0]] >= 3
+
+
+def test_open_metrics_name_no_private_adapter_and_no_tenant(serve_app):
+    """After traffic to a tenant-private adapter, no series of an unauthenticated /metrics (the replicas' timer
+    reports and the placement tiers included) names it or any tenant."""
+    c = client(serve_app, key=GLOBEX)
+    for _ in range(3):
+        c.completions.create(model="globex-private", prompt="def ", max_tokens=2)
+        c.completions.create(model=demo_adapter(serve_app), prompt="def ", max_tokens=2)  # a public one beside it
+    deadline, series = time.monotonic() + 30, []
+    while time.monotonic() < deadline:  # replicas report on a timer, the controller tiers once a period
+        text = httpx.get(serve_app.base_url + "/metrics").text
+        series = [line for line in text.splitlines() if line and not line.startswith("#")]
+        if any(line.startswith("loraserve_adapter_tier{") for line in series) and \
+                any(line.startswith("loraserve_replica_adapter_tokens_total{") for line in series):
+            break
+        time.sleep(1)
+    assert any(line.startswith("loraserve_adapter_tier{") for line in series)  # the gauge is there, public only
+    assert any('adapter="private"' in line for line in series)
+    assert not [line for line in series if "globex-private" in line]
+    for tenant in sorted(set(KEYS.values())):  # no label value is a tenant's name
+        assert not [line for line in series if f'="{tenant}"' in line], tenant

@@ -6,11 +6,13 @@ Serve replicas."""
 
 import asyncio
 import dataclasses
+import logging
 import re
 
 import openai
 import pytest
 
+from deployments.dependency_health import DependencyHealth
 from deployments.metrics import ServingMetrics
 from deployments.openai_api import create_openai_app
 from deployments.protocol import ReplicaUnavailable
@@ -156,8 +158,8 @@ def test_metrics_hide_private_adapters_unless_a_token_is_required(kit):
     open_app, _ = app_with(kit)
     kit.run(kit.client(K.GLOBEX, app=open_app).completions.create(model="globex-secret", prompt="x", max_tokens=2))
     text = kit.run(scrape(kit, open_app))
-    assert "globex-secret" not in text
-    assert metric(text, "loraserve_requests_total", adapter="private", tenant="globex", status="200") == 1
+    assert "globex-secret" not in text and "globex" not in text  # neither the adapter's nor the tenant's name
+    assert metric(text, "loraserve_requests_total", adapter="private", tenant="private", status="200") == 1
 
     closed_app, _ = app_with(kit, metrics_token="metrics-token-123")
     kit.run(kit.client(K.GLOBEX, app=closed_app).completions.create(model="globex-secret", prompt="x", max_tokens=2))
@@ -174,7 +176,7 @@ def test_metrics_hide_private_adapters_unless_a_token_is_required(kit):
 def test_rate_limits_are_shared_across_ingress_replicas_through_redis(kit, redis_server):
     def replica():
         local = RateLimiter((0.001, 3), (1000, 1000))
-        return app_with(kit, limiter=RedisRateLimiter(redis_server, local, prefix="test-shared"))[0]
+        return app_with(kit, limiter=RedisRateLimiter(redis_server, local, DependencyHealth(), prefix="test-shared"))[0]
 
     apps = [replica(), replica()]
     codes = []
@@ -197,15 +199,19 @@ def test_rate_limits_are_shared_across_ingress_replicas_through_redis(kit, redis
     assert ok == 6
 
 
-def test_redis_outage_falls_back_to_local_buckets(kit):
+def test_redis_outage_falls_back_to_local_buckets_with_one_log_line(kit, caplog):
     local = RateLimiter((0.001, 2), (1000, 1000))
-    limiter = RedisRateLimiter("redis://127.0.0.1:1/0", local)
+    health = DependencyHealth()
+    limiter = RedisRateLimiter("redis://127.0.0.1:1/0", local, health)
     app, _ = app_with(kit, limiter=limiter)
     c = kit.client(app=app)
-    kit.run(c.completions.create(model=kit.base, prompt="x", max_tokens=1))
-    kit.run(c.completions.create(model=kit.base, prompt="x", max_tokens=1))
-    with pytest.raises(openai.RateLimitError):
+    with caplog.at_level(logging.WARNING, logger="deployments.dependency_health"):
         kit.run(c.completions.create(model=kit.base, prompt="x", max_tokens=1))
+        kit.run(c.completions.create(model=kit.base, prompt="x", max_tokens=1))
+        with pytest.raises(openai.RateLimitError):
+            kit.run(c.completions.create(model=kit.base, prompt="x", max_tokens=1))
+    assert health.status() == {"rate-limit Redis": False}
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["rate-limit Redis is unreachable"]
 
 
 def test_a_client_that_goes_away_aborts_every_choice_in_the_engine(kit):

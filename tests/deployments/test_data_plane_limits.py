@@ -64,7 +64,7 @@ async def _get(kit, path, headers=None):
 
 
 def test_prompt_longer_than_any_fitting_prompt_is_refused_before_tokenizing(kit):
-    max_len, max_chars = kit.server._limits()
+    max_len, max_chars = kit.server.prompts.max_len, kit.server.prompts.max_chars
     steps = engine_steps(kit)
     calls = []
     tok = kit.engine.tokenizer
@@ -75,14 +75,17 @@ def test_prompt_longer_than_any_fitting_prompt_is_refused_before_tokenizing(kit)
     finally:
         type(tok).__call__ = original
     assert max_chars + 1 < 64 * 1024, "the test needs a body under the 413 limit"
-    assert_openai_error(r, 400, "context_length_exceeded")
+    assert assert_openai_error(r, 400, "context_length_exceeded")["param"] == "prompt"  # as OpenAI names it
     assert calls == [] and engine_steps(kit) == steps
     ids = post(kit, "/v1/completions", {"model": kit.base, "prompt": [5] * max_len, "max_tokens": 1})
-    assert_openai_error(ids, 400, "context_length_exceeded")
+    assert assert_openai_error(ids, 400, "context_length_exceeded")["param"] == "prompt"
+    chat = post(kit, "/v1/chat/completions", {"model": kit.base, "max_tokens": 1,
+                                              "messages": [{"role": "user", "content": "y" * (max_chars + 1)}]})
+    assert assert_openai_error(chat, 400, "context_length_exceeded")["param"] == "messages"
 
 
 def test_max_tokens_beyond_the_context_is_400_like_vllm(kit):
-    max_len, _ = kit.server._limits()
+    max_len = kit.server.prompts.max_len
     c = kit.client()
     with pytest.raises(openai.BadRequestError) as e:
         kit.run(c.completions.create(model=kit.base, prompt="def ", max_tokens=max_len))
@@ -155,7 +158,7 @@ def test_every_error_is_openai_json_and_counted_by_reason(kit):
 
 def test_tokenization_does_not_block_the_replica_event_loop(kit):
     """While a long prompt is tokenized, the replica's event loop keeps ticking (tokenizing runs in a thread)."""
-    _, max_chars = kit.server._limits()
+    max_chars = kit.server.prompts.max_chars
     prompt = "word " * (min(max_chars, 60_000) // 5)
     tok = kit.engine.tokenizer
     original = type(tok).__call__
@@ -197,4 +200,34 @@ def test_logit_bias_outside_the_vocabulary_is_400_before_any_token(kit):
     steps = engine_steps(kit)
     r = post(kit, "/v1/completions", {"model": kit.base, "prompt": "x", "logit_bias": {str(vocab): 1.0}})
     err = assert_openai_error(r, 400, "invalid_request")
-    assert "logit_bias" in err["message"] and engine_steps(kit) == steps
+    assert "logit_bias" in err["message"] and err["param"] == "logit_bias" and engine_steps(kit) == steps
+
+
+def test_malformed_json_and_stream_options_without_stream_are_400_naming_what_is_wrong(kit):
+    async def raw(body: bytes):
+        async with kit.http() as http:
+            return await http.post("/v1/completions", content=body, headers={
+                "Authorization": f"Bearer {K.ACME}", "Content-Type": "application/json"})
+
+    r = kit.run(raw(b'{"model": "x", "prompt": "a",,}'))
+    err = assert_openai_error(r, 400, "invalid_request")
+    assert err["param"] is None and "not valid JSON" in err["message"]  # no character offset as the param
+    r = post(kit, "/v1/completions", {"model": kit.base, "prompt": "x", "stream_options": {"include_usage": True}})
+    assert assert_openai_error(r, 400, "invalid_request")["param"] == "stream_options"
+
+
+def test_one_request_id_header_and_public_docs_without_the_control_plane(kit):
+    async def go():
+        async with kit.http() as http:
+            body = {"model": kit.base, "prompt": "x", "max_tokens": 1}
+            auth = {"Authorization": f"Bearer {K.ACME}"}
+            mine = await http.post("/v1/completions", json=body, headers=auth)
+            given = await http.post("/v1/completions", json=body, headers=auth | {"x-request-id": "from-proxy"})
+            return mine, given, await http.get("/docs"), await http.get("/openapi.json")
+
+    mine, given, docs, spec = kit.run(go())
+    assert mine.headers.get_list("x-request-id") == [mine.json()["id"]]
+    # Serve's proxy sets x-request-id on the request and echoes it: the app adds no second one
+    assert given.status_code == 200 and given.headers.get_list("x-request-id") == []
+    assert docs.status_code == 200 and "POST /v1/chat/completions" in docs.text and "<script" not in docs.text
+    assert not [p for p in spec.json()["paths"] if p.startswith("/admin")]

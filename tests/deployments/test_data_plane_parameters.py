@@ -22,7 +22,7 @@ def kit(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref(kit):
     """next_logits(adapter, ids) -> the raw adapter-on logits after `ids`, from a separate plain engine."""
-    from deployments.llm_server import engine_config
+    from deployments.engine_settings import engine_config
     from engine_ext import LLMEngine, SamplingParams
 
     engine = LLMEngine(engine_config(kit.cfg, kit.engine.engine.config.model))

@@ -177,15 +177,25 @@ def test_metrics_after_traffic():
     client, _, _ = make()
     client.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "a b", "max_tokens": 4})
     client.post("/v1/completions", headers=H, json={"model": "nope", "prompt": "a"})
-    text = client.get("/metrics").text
-    assert 'loraserve_requests_total{adapter="pub",status="200",tenant="a"} 1.0' in text
-    assert 'loraserve_errors_total{adapter="-",code="model_not_found",tenant="a"} 1.0' in text
-    assert 'loraserve_ttft_seconds_count{adapter="pub",tenant="a"} 1.0' in text
-    assert 'loraserve_completion_tokens_total{adapter="pub",tenant="a"} 2.0' in text
+    text = client.get("/metrics").text  # open: no tenant's name
+    assert 'loraserve_requests_total{adapter="pub",status="200",tenant="private"} 1.0' in text
+    assert 'loraserve_errors_total{adapter="-",code="model_not_found",tenant="private"} 1.0' in text
+    assert 'loraserve_ttft_seconds_count{adapter="pub",tenant="private"} 1.0' in text
+    assert 'loraserve_completion_tokens_total{adapter="pub",tenant="private"} 2.0' in text
+    assert 'tenant="a"' not in text
     assert 'loraserve_adapter_hits_total{adapter="pub@3",replica="r0"} 4.0' in text
     assert 'loraserve_spec_acceptance_rate{adapter="pub@3",replica="r0"} 0.75' in text
     assert 'loraserve_adapter_load_seconds_total{adapter="pub@3",replica="r0"} 0.5' in text
     assert 'loraserve_batch_size_count 1.0' in text
+
+
+def test_metrics_with_a_token_name_the_tenant():
+    client, _, deps = make()
+    deps.metrics_token = "metrics-token-1"
+    client.post("/v1/completions", headers=H, json={"model": "pub", "prompt": "a b", "max_tokens": 4})
+    assert client.get("/metrics").status_code == 401
+    text = client.get("/metrics", headers={"Authorization": "Bearer metrics-token-1"}).text
+    assert 'loraserve_requests_total{adapter="pub",status="200",tenant="a"} 1.0' in text
 
 
 def test_unknown_route_is_openai_error():
@@ -230,3 +240,40 @@ def test_cold_load_gate_caps_concurrent_requests_for_an_unloaded_adapter():
     refused = next(r for r in first if r.status_code == 429)
     assert refused.json()["error"]["code"] == "adapter_loading" and refused.headers["retry-after"] == "1"
     assert [r.status_code for r in warm] == [200, 200, 200]  # loaded: no cap any more
+
+
+def test_the_public_schema_lists_no_admin_route():
+    from deployments.ingress import add_placement_route
+
+    client, _, deps = make()
+
+    class Reporter:
+        async def refresh(self):
+            return {"version": 1, "adapters": {}}
+
+    add_placement_route(client.app, Reporter(), "admin-token-1", "/admin")
+    assert client.get("/admin/v1/placement", headers={"Authorization": "Bearer admin-token-1"}).json()["version"] == 1
+    assert not [p for p in client.get("/openapi.json").json()["paths"] if p.startswith("/admin")]
+
+
+def test_ready_reports_each_dependency_and_is_503_while_one_is_down():
+    client, _, deps = make()
+    assert client.get("/ready").json() == {"status": "ready", "dependencies": {}}
+    state = {"registry metadata store": True, "registry blob store": False}
+    deps.readiness = lambda: dict(state)
+    r = client.get("/ready")
+    assert r.status_code == 503 and r.json() == {"status": "not ready", "dependencies": {
+        "registry metadata store": "up", "registry blob store": "down"}}
+    assert client.get("/health").status_code == 200  # liveness is not readiness
+
+
+def test_malformed_requests_count_against_the_callers_rate_limit():
+    client, llm, _ = make(tenant_rate=(0.001, 5))
+    codes = [client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": 5}).status_code
+             for _ in range(8)]
+    assert codes == [400] * 5 + [429] * 3  # the burst, then 429 before the body is even parsed
+    r = client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"})
+    assert_openai_error(r, 429, "rate_limit_exceeded")
+    assert client.post("/v1/completions", headers={"Authorization": f"Bearer {OTHER}"},
+                       json={"model": "tiny", "prompt": "x"}).status_code == 200  # another tenant is not held up
+    assert llm.seen and all(req.prompt == "x" for req in llm.seen)

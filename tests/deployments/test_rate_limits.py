@@ -27,32 +27,35 @@ def test_token_bucket_refills_at_rate_up_to_burst():
         TokenBucket(rate=0, burst=1)
 
 
-def test_limiter_refusal_charges_nothing():
+def test_limiter_refusal_takes_nothing_and_scopes_are_apart():
     clock = Clock()
     lim = RateLimiter((10, 5), (1, 1), clock=clock)
-    lim.check("t", "a")
+    lim.take("adapter", "a")
     with pytest.raises(RateLimited) as e:
-        lim.check("t", "a")
+        lim.take("adapter", "a")
     assert e.value.scope == "adapter" and e.value.retry_after_s == pytest.approx(1.0)
     assert RateLimiter.retry_after_header(e.value) == "1"
-    # the refused request did not consume the tenant's bucket: 4 left for the base model
-    for _ in range(4):
-        lim.check("t", None)
+    for _ in range(5):  # the tenant's bucket of the same name is another bucket
+        lim.take("tenant", "a")
     with pytest.raises(RateLimited) as e:
-        lim.check("t", None)
+        lim.take("tenant", "a")
     assert e.value.scope == "tenant"
+    clock.t += 0.1  # one token back: the refusals above took none
+    lim.take("tenant", "a")
+    with pytest.raises(RateLimited):
+        lim.take("tenant", "a")
     clock.t += 1.0
-    lim.check("t", "a")
+    lim.take("adapter", "a")
 
 
 def test_limiter_overrides():
     clock = Clock()
     lim = RateLimiter((1, 1), (1, 1), tenant_overrides={"big": (100, 100)}, clock=clock)
     for _ in range(50):
-        lim.check("big", None)
-    lim.check("small", None)
+        lim.take("tenant", "big")
+    lim.take("tenant", "small")
     with pytest.raises(RateLimited):
-        lim.check("small", None)
+        lim.take("tenant", "small")
 
 
 def test_cold_gate_caps_in_flight_until_warm():

@@ -6,6 +6,7 @@ import asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.metrics import ServingMetrics
+from router.placement import PlacementConfig
 
 
 def report(seq, drafted, adapters=("pub@1", "secret@1")):
@@ -14,7 +15,7 @@ def report(seq, drafted, adapters=("pub@1", "secret@1")):
             "speculative": {"cycles": 10 * seq, "plain_steps": 3, "joined": 2 * seq, "ridden_prompts": 4 * seq,
                             "paced_prompts": 5 * seq,
                             "gate_decisions": {"speculate": 10 * seq, "plain_cost": 3}},
-            "adapters": {a: {"hits": 1, "misses": 1, "loads": 1, "load_seconds": 0.1, "tokens": 40,
+            "adapters": {a: {"requests": 2, "hits": 1, "device_loads": 1, "loads": 1, "load_seconds": 0.1, "tokens": 40,
                              "acceptance_rate": 0.75, "drafted_tokens": drafted, "accepted_tokens": drafted // 2}
                          for a in adapters}}
 
@@ -65,7 +66,7 @@ def test_placement_controller_relays_the_reports_of_live_replicas():
 
     async def scenario():
         ctl = cls.__new__(cls)
-        await cls.__init__(ctl, {}, 4, 8, period_s=60, replica_ttl_s=60)
+        await cls.__init__(ctl, PlacementConfig(), 4, 8, period_s=60, replica_ttl_s=60)
         share = await ctl.sync("r1", report(1, 4))
         await ctl.sync("r2")  # a heartbeat without a report
         out = await ctl.reports()

@@ -24,7 +24,7 @@ import pytest
 from tests.deployments.serve_harness import AFFINITY_ADAPTERS, APP_NAME, KEYS
 
 pytestmark = pytest.mark.slow
-ACME = list(KEYS)[0]
+ACME, GLOBEX = list(KEYS)[:2]
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 
@@ -288,3 +288,36 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     assert replaced["startup"]["warm_start"] is True, report
     # and froze its start-up heap (AppConfig.gc_freeze): full collections no longer walk the engine's objects
     assert replaced["startup"]["gc_frozen_objects"] > 10_000, report
+
+
+def test_a_flood_of_malformed_requests_draws_429s_and_others_keep_serving(serve_app):
+    """1,000 malformed requests at concurrency 16 from one tenant: they count against its rate limit (burst 100,
+    then 429 before their bodies are parsed); another tenant's requests all succeed. Reports their latency."""
+    other = openai.OpenAI(base_url=serve_app.base_url + "/v1", api_key=GLOBEX, max_retries=0, timeout=120)
+
+    def normal(n):
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            other.chat.completions.create(model=serve_app.base_name, messages=CHAT, max_tokens=4, temperature=0)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    quiet = normal(10)
+    bad = json.dumps({"model": serve_app.base_name, "prompt": 5}).encode()
+
+    def flood(n):
+        with httpx.Client(timeout=60) as http:
+            return [http.post(serve_app.base_url + "/v1/completions", content=bad, headers={
+                "Authorization": f"Bearer {ACME}", "Content-Type": "application/json"}).status_code for _ in range(n)]
+
+    with cf.ThreadPoolExecutor(17) as pool:
+        flooding = [pool.submit(flood, 1000 // 16) for _ in range(16)]
+        during = pool.submit(normal, 10).result()
+        codes = [c for f in flooding for c in f.result()]
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print("\nmalformed flood:", json.dumps({"flood": {str(c): codes.count(c) for c in sorted(set(codes))},
+                                           "normal_median_s": [round(median(quiet), 3), round(median(during), 3)],
+                                           "normal_max_s": [round(max(quiet), 3), round(max(during), 3)]}))
+    assert set(codes) <= {400, 429} and codes.count(429) > 0
+    assert len(during) == 10  # every normal request of the other tenant succeeded

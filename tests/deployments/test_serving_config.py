@@ -39,6 +39,29 @@ def test_invalid_config_is_refused(bad):
         AppConfig.model_validate(bad)
 
 
+def test_a_refused_config_is_one_line_naming_the_field():
+    from deployments.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config({"api_keys": {"short": "t"}}, env={})
+    assert str(e.value) == "invalid configuration: api_keys: API keys need >= 8 characters and a non-empty tenant"
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no pydantic report chained to it
+    with pytest.raises(ConfigError, match="placement: pinned_share and warm_share"):
+        load_config({"placement": {"pinned_share": 0.9}}, env={})
+    with pytest.raises(ConfigError, match="router.nope"):
+        load_config({"router": {"nope": 1}}, env={})
+
+
+def test_placement_and_router_sections_are_their_config_classes():
+    from router.placement import PlacementConfig
+    from router.policy import AffinityConfig
+
+    cfg = load_config({"placement": {"half_life_s": 120.0}, "router": {"saturation": 0.5}}, env={})
+    assert cfg.placement == PlacementConfig(half_life_s=120.0) and cfg.router == AffinityConfig(saturation=0.5)
+    again = AppConfig.model_validate(cfg.model_dump(mode="json"))  # what each deployment receives
+    assert again.placement == cfg.placement and again.router == cfg.router
+
+
 def test_yaml_must_be_a_mapping(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text("- 1\n")
@@ -79,7 +102,7 @@ def test_engine_fields_from_yaml_env_and_args_merge_field_by_field(tmp_path):
 
 
 def test_engine_config_is_built_from_the_section(tmp_path):
-    from deployments.llm_server import engine_config
+    from deployments.engine_settings import engine_config
     from engine_ext import EngineConfig, SpecConfig
 
     cfg = load_config({"engine": {"max_model_len": 256, "compile_cache_dir": str(tmp_path), "warmup": False}}, env={})
@@ -106,7 +129,7 @@ def test_engine_config_is_built_from_the_section(tmp_path):
     ],
 )
 def test_bad_engine_field_fails_at_config_load_with_its_name(engine, message):
-    with pytest.raises(ValidationError) as err:
+    with pytest.raises(ValueError) as err:
         load_config({"engine": engine}, env={})
     assert message in str(err.value)
 

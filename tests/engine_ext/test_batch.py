@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_ext.batch import (IDS, KV_SLOT, LOGITS, LORA, NUM_ROWS, POS, QIDX, SEQ, SeqWork, build_forward_batch,
-                              pack_forward, token_moves)
+from engine_ext.batch import (BUFFER_ROWS, IDS, KV_SLOT, LOGITS, LORA, NUM_ROWS, POS, QIDX, SEQ, SHIFT_SRC, TOKEN_SRC,
+                              SeqWork, apply_sources, build_forward_batch, pack_forward)
 
 BLOCK, ZERO = 4, 8
 
@@ -76,11 +76,23 @@ def test_base_only_batch_skips_lora():
     assert not build_forward_batch(work, 16, zero_slot=2, device=torch.device("cpu")).has_lora
 
 
-@pytest.mark.parametrize("token_src, dst, src", [
-    (None, [], []),
-    ([-1, -1], [], []),
-    ([3, -1, 0, 7], [0, 2, 3], [3, 0, 7]),
-])
-def test_token_moves(token_src, dst, src):
-    got_dst, got_src = token_moves(token_src)
-    assert got_dst.tolist() == dst and got_src.tolist() == src
+def test_sources_take_ids_and_shift_positions_on_the_device():
+    """Token 1 takes its id from the device tensor, token 3 too; sequence 1 (tokens 2-3) is moved by shifts[1] = 2
+    positions, across its block boundary, and its KV slots follow its block table; the others stay."""
+    work = [SeqWork([5, 0], 2, [3, 1], lora_slot=0),
+            SeqWork([0, 0], 2, [6, 2], lora_slot=0, num_logits=2, shift=1, shift_max=2)]
+    rows = np.full((BUFFER_ROWS, 4), -1, dtype=np.int64)
+    tables = np.full((2, 2), -1, dtype=np.int64)
+    pack_forward(work, BLOCK, ZERO, rows, tables, token_src=[-1, 0, 2, 1])
+    assert rows[SHIFT_SRC].tolist() == [-1, -1, 1, 1] and rows[TOKEN_SRC].tolist() == [-1, 0, 2, 1]
+    packed, tabs = torch.from_numpy(rows), torch.from_numpy(tables)
+    apply_sources(packed, tabs, BLOCK, tokens=torch.tensor([11, 12, 13]), shifts=torch.tensor([0, 2]))
+    assert packed[IDS].tolist() == [5, 11, 13, 12]
+    assert packed[POS].tolist() == [2, 3, 4, 5]
+    assert packed[KV_SLOT].tolist() == [3 * 4 + 2, 3 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+
+
+def test_sources_need_the_buffer_rows():
+    with pytest.raises(ValueError, match="BUFFER_ROWS"):
+        pack_forward([SeqWork([1], 0, [0], 0)], BLOCK, ZERO, np.zeros((NUM_ROWS, 1), np.int64),
+                     np.zeros((1, 1), np.int64), token_src=[0])

@@ -1,10 +1,11 @@
-"""Sampling: seeded reproducibility, and top-k / top-p restricting the support of the distribution."""
+"""Sampling: seeded reproducibility, Gumbel-max draws that follow the distribution, and top-k / top-p restricting
+its support."""
 
 import pytest
 import torch
 
 from engine_ext import EngineConfig, LLMEngine, SamplingParams
-from engine_ext.sampler import draw, probabilities, sample
+from engine_ext.sampler import SamplingRows, gumbel, probabilities, sample, uniforms
 from tiny_models import build_model
 
 
@@ -33,7 +34,36 @@ def test_unseeded_sampling_varies(engine):
 def test_greedy_is_argmax():
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0.0)] * 4
-    assert torch.equal(sample(logits, params, [None] * 4, torch.Generator()), logits.argmax(-1))
+    assert SamplingRows.pack(params, [1, 2, 3, 4], logits.device) is None
+    assert torch.equal(sample(logits, None, None), logits.argmax(-1))
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    rows = SamplingRows.pack(mixed, [1, 2, 3, 4], logits.device)
+    got = sample(logits, rows, torch.arange(4))
+    assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+
+
+def draws(probs_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    """n tokens drawn from one row's logits under n different seeds at one position."""
+    logits = probs_row.log()[None].expand(n, -1).contiguous()
+    rows = SamplingRows.pack([params] * n, list(range(n)), logits.device)
+    return sample(logits, rows, torch.full((n,), 7))
+
+
+def test_noise_is_uniform_and_keyed_by_seed_and_position_alone():
+    u = uniforms(torch.tensor([1, 1, 2]), torch.tensor([5, 6, 5]), 4096)
+    assert 0.0 < u.min() and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])  # another position, another seed
+    again = uniforms(torch.tensor([9, 1]), torch.tensor([0, 5]), 4096)
+    assert torch.equal(again[1], u[0])  # whatever else is in the batch
+    g = gumbel(torch.arange(64), torch.zeros(64, dtype=torch.long), 1000)
+    assert abs(g.mean().item() - 0.5772) < 0.02  # the Euler-Mascheroni constant
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    counts = torch.bincount(draws(probs, SamplingParams(temperature=1.0), 20000), minlength=4).float() / 20000
+    assert torch.allclose(counts, probs, atol=0.015)
 
 
 def test_top_k_support_and_proportions():
@@ -43,9 +73,8 @@ def test_top_k_support_and_proportions():
     assert (probs[3:] == 0).all()
     expected = torch.softmax(logits[0, :3], -1)
     assert torch.allclose(probs[:3], expected, atol=1e-6)
-    g = torch.Generator().manual_seed(0)
-    draws = torch.stack([draw(probs[None].expand(2000, -1).contiguous(), [None] * 2000, g) for _ in range(5)]).flatten()
-    counts = torch.bincount(draws, minlength=6).float() / draws.numel()
+    got = draws(torch.softmax(logits[0], -1), p, 10000)
+    counts = torch.bincount(got, minlength=6).float() / got.numel()
     assert counts[3:].sum() == 0
     assert torch.allclose(counts[:3], expected, atol=0.02)
 

@@ -1,12 +1,13 @@
-"""Speculative LoRA-off drafting is lossless under greedy decoding: token-for-token the plain output.
-Greedy batches take the one-sync cycle (every pass's ids gathered on the device); a sampled request in
-the batch sends a cycle down the pass-by-pass path, and both give the plain output.
+"""Speculative LoRA-off drafting is lossless: token-for-token the plain output, greedy and (seeded) sampled
+alike, since every token is drawn on the device with noise keyed by its request's seed and position. Every step
+queues its passes back to back, their ids gathered on the device, and the step after it is queued before it is
+read.
 
 The suite runs on every backend (the `backend` fixture): the plain-torch engine on the CPU and the Triton
 kernels with CUDA graphs on a GPU; there too adapters swap through two slots (on the GPU against graphs
 captured once) and forwards queued back to back read their ids from the device. On the GPU only: plain
 decoding equals that of the plain-torch kernels run eagerly (for the Triton kernels with graphs and without),
-and a greedy cycle makes the host wait for the device once. The stop-string tests run on the CPU."""
+and a step never makes the host wait for the device. The stop-string tests run on the CPU."""
 
 import warnings
 
@@ -15,7 +16,7 @@ import torch
 
 from backends import CUDA_TORCH, CUDA_TRITON, CUDA_TRITON_GRAPHS, on_gpu, param
 from char_tokenizer import add_char_tokenizer
-from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig, StepContext
 from engine_ext.batch import SeqWork
 from tiny_models import build_adapter, build_model
 
@@ -73,12 +74,6 @@ def test_identical_to_plain_for_every_draft_length(setup, backend, k):
     near = stats["adapters"]["near-r8"]
     assert near["accepted_tokens"] > 0 and near["drafted_tokens"] >= near["accepted_tokens"]
     assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
-    assert_all_cycles_greedy(engine)
-
-
-def assert_all_cycles_greedy(engine):
-    spec = engine.stats()["speculative"]
-    assert spec["greedy_cycles"] == spec["cycles"]
 
 
 def test_identical_under_preemption(setup, backend):
@@ -87,7 +82,6 @@ def test_identical_under_preemption(setup, backend):
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
     assert [o.token_ids for o in outs] == expected
     assert engine.stats()["num_preemptions"] > 0 and engine.stats()["speculative"]["cycles"] > 0
-    assert_all_cycles_greedy(engine)
 
 
 @pytest.mark.parametrize("k", [3, 4])
@@ -107,7 +101,6 @@ def test_riders_stopping_inside_a_cycle(setup, backend, k):
     spec = engine.generate(prompt_token_ids=PROMPTS, sampling_params=params, adapter_names=NAMES)
     assert [(o.token_ids, o.finish_reason) for o in spec] == [(o.token_ids, o.finish_reason) for o in plain]
     assert any(o.finish_reason == "stop" and o.adapter is None for o in spec)
-    assert_all_cycles_greedy(engine)
     assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
 
 
@@ -122,44 +115,49 @@ def test_identical_with_different_draft_lengths_per_adapter(setup, backend):
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
     assert [o.token_ids for o in outs] == expected
     stats = engine.stats()
-    assert_all_cycles_greedy(engine)
     for name, m in length.items():
         ad = stats["adapters"][name]
         assert ad["drafted_tokens"] <= m * (ad.get("verifies") or 0)
         assert (ad["drafted_tokens"] > 0) == (m > 0)
 
 
-@pytest.mark.parametrize("schedule", ["one-sync", "pass-by-pass"])
-def test_adapter_riders_decode_in_the_drafting_passes(setup, backend, schedule):
+SAMPLED = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
+
+
+@pytest.mark.parametrize("batch", ["greedy", "sampled"])
+def test_adapter_riders_decode_in_the_drafting_passes(setup, backend, batch):
     """An adapter sequence the gate lets ride decodes with its adapter on in every drafting pass (a mixed pass:
-    adapters off for the drafters, on for it) and still gives plain decoding's tokens, in both schedules."""
+    adapters off for the drafters, on for it) and still gives plain decoding's tokens, with a sampled request in
+    the batch or not (its tokens too are plain's)."""
     model, adapters, expected = setup
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False), **backend)
     engine.gate.rides = lambda s: s.adapter in ("far-r64", "mid-r16")
     engine.gate.draft_lengths = lambda names, caps, batch, left=None, ride=None: [
         0 if n in ("far-r64", "mid-r16") else c for n, c in zip(names, caps)]
     prompts, params, names = PROMPTS, [PARAMS] * len(PROMPTS), NAMES
-    if schedule == "pass-by-pass":  # a sampled request sends the cycles down the pass-by-pass path
-        prompts = prompts + [[2, 4, 6]]
-        params = params + [SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)]
-        names = names + ["near-r8"]
+    if batch == "sampled":
+        prompts, params, names = prompts + [[2, 4, 6]], params + [SAMPLED], names + ["near-r8"]
+        plain = make_engine(model, adapters, None, **backend)
+        expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                        adapter_names=names)]
     outs = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=names)
-    assert [o.token_ids for o in outs[: len(PROMPTS)]] == expected
+    assert [o.token_ids for o in outs] == expected
     stats = engine.stats()
     for name in ("far-r64", "mid-r16"):  # they rode: nothing drafted, every token decoded
         assert stats["adapters"][name]["drafted_tokens"] == 0
     assert stats["adapters"]["near-r8"]["drafted_tokens"] > 0
     # drafting passes that read the riders' adapters were timed as such (the gate prices them apart)
     assert any(kind == "base" and adapters_in > 0 for kind, _, adapters_in in engine.gate.times._t)
-    spec = stats["speculative"]
-    assert (spec["greedy_cycles"] == spec["cycles"]) == (schedule == "one-sync")
+
+
+LATE_SAMPLED = SamplingParams(max_tokens=PARAMS.max_tokens, temperature=1.0, seed=9, ignore_eos=True)
 
 
 def _late_arrival_run(engine, during_the_step: bool, sampled: bool = False, late_params: SamplingParams = PARAMS):
-    """Three requests decode (with `sampled`, a fourth one sampled, which sends cycles down the pass-by-pass
-    path); then one more arrives before the next step, or while it runs (through `intake`, the first time the
-    step asks, as a serving loop adds it) -> (that step's outputs, the outputs published during it, every
-    request's final tokens)."""
+    """Three requests decode (with `sampled`, a fourth one sampled); then one more arrives before the next step, or
+    while it runs (through StepContext.arrivals, the first time the step asks, as a serving loop adds it) ->
+    (the outputs of that step and the one after it (which reads it), the outputs published during them, every
+    request's final tokens, prompts computed in a drafting pass meanwhile)."""
     for i in range(3):
         engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
     if sampled:
@@ -173,42 +171,41 @@ def _late_arrival_run(engine, during_the_step: bool, sampled: bool = False, late
         engine.add_request("late", prompt_token_ids=PROMPTS[4], sampling_params=late_params, adapter_name=NAMES[0])
 
     published = []
-    engine.publish = published.extend
+    ctx = StepContext(publish=published.extend)
     if during_the_step:
-        engine.intake = lambda: engine.seqs.get("late") is None and late()
+        ctx.arrivals = lambda: engine.seqs.get("late") is None and late()
     else:
         late()
     ridden = lambda: (engine.stats().get("speculative") or {}).get("ridden_prompts", 0)  # noqa: E731
     before = ridden()
-    outs = engine.step()
+    outs = engine.step(ctx)
     ridden_in_step = ridden() - before
-    engine.intake = engine.publish = None
+    outs += engine.step(StepContext(publish=published.extend))  # reads the step the arrival joined
     final = {o.request_id: o.token_ids for o in outs if o.finished}
     while engine.has_unfinished_requests:
         final |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
     return outs, published, final, ridden_in_step
 
 
-LATE_SAMPLED = SamplingParams(max_tokens=PARAMS.max_tokens, temperature=1.0, seed=9, ignore_eos=True)
-
-
-@pytest.mark.parametrize("schedule", ["one-sync", "pass-by-pass"])
+@pytest.mark.parametrize("late_params", [PARAMS, LATE_SAMPLED], ids=["greedy-arrival", "sampled-arrival"])
+@pytest.mark.parametrize("batch", ["greedy", "sampled"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_a_request_arriving_during_a_cycle_rides_it_and_its_first_token_comes_before_the_cycle_ends(
-        setup, backend, k, schedule):
+        setup, backend, k, batch, late_params):
     """The new prompt runs in the next drafting pass with its adapter on (a plain step for it), drafts in the
-    passes after it, and its first token is published as soon as that pass has run, before the step returns. With
-    no drafting pass left (k = 1: asked before the verify pass) it runs in the verify pass. Every output is still
-    plain decoding's (the sampled request's too: its own generator, seeded)."""
+    passes after it, and its first token is published as soon as that pass has run, before the step returns (a
+    sampled arrival as well: its draws are on the device). With no drafting pass left (k = 1: asked before the
+    verify pass) it runs in the verify pass. Every output is plain decoding's, the sampled requests' too."""
     model, adapters, _ = setup
-    sampled = schedule == "pass-by-pass"
-    _, _, reference, _ = _late_arrival_run(make_engine(model, adapters, None, **backend), False, sampled)
+    sampled = batch == "sampled"
+    _, _, reference, _ = _late_arrival_run(make_engine(model, adapters, None, **backend), False, sampled,
+                                           late_params)
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=k, gate=False), **backend)
-    outs, published, final, ridden = _late_arrival_run(engine, True, sampled)
+    outs, published, final, ridden = _late_arrival_run(engine, True, sampled, late_params)
     late = [o for o in outs if o.request_id == "late"]
     early = [o for o in published if o.request_id == "late"]
     spec = engine.stats()["speculative"]
-    assert spec["joined"] == 1 and spec["cut_cycles"] == 0
+    assert spec["joined"] == 1
     if k > 1:  # joined before pass 1: its prompt ran there; it drafted in the k - 2 passes left, and the verify
         # pass checked them: its first token, the drafts accepted and the verify pass's own token
         assert [len(o.new_token_ids) for o in early] == [1] and ridden == 1
@@ -217,28 +214,8 @@ def test_a_request_arriving_during_a_cycle_rides_it_and_its_first_token_comes_be
     else:
         assert early == [] and ridden == 0
         assert len(late) == 1 and len(late[0].token_ids) == 1
-    assert (spec["greedy_cycles"] == spec["cycles"]) == (schedule == "one-sync")
-    if sampled:  # a sampled draft is accepted by chance: only the greedy requests are held to plain's tokens
-        assert len(final.pop("sampled")) == len(reference.pop("sampled"))
     assert final == reference
     assert engine.stats()["free_kv_blocks"] == engine.stats()["total_kv_blocks"]
-
-
-def test_a_sampled_arrival_cuts_a_one_sync_cycle_and_runs_in_its_verify_pass(setup, backend):
-    """Its first token must be drawn on the host, which the one-sync schedule does only at its end: drafting
-    stops at the arrival and its prompt runs in the verify pass (with plain decoding's draw: seeded)."""
-    model, adapters, _ = setup
-    _, _, reference, _ = _late_arrival_run(make_engine(model, adapters, None, **backend), False,
-                                        late_params=LATE_SAMPLED)
-    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=4, gate=False), **backend)
-    outs, published, final, ridden = _late_arrival_run(engine, True, late_params=LATE_SAMPLED)
-    spec = engine.stats()["speculative"]
-    assert spec["joined"] == 1 and spec["cut_cycles"] == 1 and ridden == 0
-    assert [len(o.token_ids) for o in outs if o.request_id == "late"] == [1] and published == []
-    # its first token is plain decoding's draw; later ones go through rejection sampling (equal in distribution)
-    late, ref = final.pop("late"), reference.pop("late")
-    assert late[0] == ref[0] and len(late) == len(ref)
-    assert final == reference
 
 
 def test_prompts_run_in_the_first_drafting_pass(setup, backend):
@@ -253,7 +230,8 @@ def test_prompts_run_in_the_first_drafting_pass(setup, backend):
     for i in range(1, len(PROMPTS)):
         engine.add_request(f"r{i}", prompt_token_ids=PROMPTS[i], sampling_params=PARAMS, adapter_name=NAMES[i])
     while engine.stats()["speculative"]["ridden_prompts"] == 0:
-        outs = {o.request_id: o for o in engine.step()}
+        engine.step()
+    outs = {o.request_id: o for o in engine.step()}  # reads the step that ran them
     started = [o for o in outs.values() if o.request_id != "first"]
     assert started and all(2 <= len(o.token_ids) <= 4 for o in started)  # first token, drafts accepted, verify's
     base_only = [o for o in started if o.adapter is None]
@@ -265,19 +243,20 @@ def test_prompts_run_in_the_first_drafting_pass(setup, backend):
     assert final["first"] == expected[0]
 
 
-def test_sampled_request_takes_the_pass_by_pass_cycle(setup, backend):
-    """A sampled drafter or rider sends its cycles down the pass-by-pass path; once it has finished the
-    greedy ones take the one-sync cycle again, and greedy output is the plain output throughout."""
-    model, adapters, expected = setup
-    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False), **backend)
-    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
-    outs = engine.generate(prompt_token_ids=PROMPTS + [[2, 4, 6], [8, 6, 4]],
-                           sampling_params=[PARAMS] * len(PROMPTS) + [sampled, sampled],
-                           adapter_names=NAMES + ["near-r8", None])
-    assert [o.token_ids for o in outs[: len(PROMPTS)]] == expected
-    assert [len(o.token_ids) for o in outs[len(PROMPTS) :]] == [6, 6]
-    spec = engine.stats()["speculative"]
-    assert 0 < spec["greedy_cycles"] < spec["cycles"]
+@pytest.mark.parametrize("k", [1, 3])
+def test_sampled_requests_draft_and_give_plain_decodings_tokens(setup, backend, k):
+    """Seeded sampled requests (top-k, top-p, min-p among them) draft and ride like greedy ones, and every one
+    gives exactly plain decoding's tokens: draft and target draw at a position with the same noise."""
+    model, adapters, _ = setup
+    params = [SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True, top_k=(0, 5)[i % 2] or -1,
+                             top_p=(1.0, 0.9)[i % 2], min_p=(0.0, 0.05)[i % 3 == 0]) for i in range(len(PROMPTS))]
+    plain = make_engine(model, adapters, None, **backend).generate(prompt_token_ids=PROMPTS, sampling_params=params,
+                                                                   adapter_names=NAMES)
+    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=k, gate=False), **backend)
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=params, adapter_names=NAMES)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    near = engine.stats()["adapters"]["near-r8"]
+    assert near["drafted_tokens"] > 0 and near["accepted_tokens"] > 0
 
 
 def test_returned_logits_match_plain_decoding(setup, backend):
@@ -291,7 +270,6 @@ def test_returned_logits_match_plain_decoding(setup, backend):
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False), **backend)
     spec = engine.generate(prompt_token_ids=PROMPTS[:3], sampling_params=params, adapter_names=names)
     assert engine.stats()["speculative"]["cycles"] > 0
-    assert_all_cycles_greedy(engine)
     # The GPU kernels reduce in a different order for a verify pass than for a decode step.
     tol = 1e-3 if on_gpu(backend) else 1e-4
     for a, b in zip(plain, spec):
@@ -390,31 +368,29 @@ def test_plain_decoding_equals_the_plain_torch_kernels(setup, backend):
 
 
 @pytest.mark.parametrize("backend", [param(CUDA_TRITON_GRAPHS, "cuda-triton-graphs")], indirect=True)
-def test_greedy_cycle_syncs_the_host_once(setup, backend, monkeypatch):
-    """Every operation that makes the host wait for the device warns under sync debug mode: a greedy cycle
-    has exactly one (reading drafts and verdicts after the verify pass), however many passes it queues."""
+@pytest.mark.parametrize("spec", [None, SpecConfig(num_draft_tokens=3, gate=False)], ids=["plain", "spec-k3"])
+def test_a_step_never_makes_the_host_wait_for_the_device(setup, backend, spec):
+    """Every operation that makes the host wait for the device warns under sync debug mode: once the graphs are
+    captured, a step has none (it queues the next step, then reads the one before through an event), but for the
+    one that admits the new batch (measured on the H200: once)."""
     model, adapters, expected = setup
-    engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=3, gate=False), **backend)
+    engine = make_engine(model, adapters, spec, **backend)
     engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)  # capture, loads
-    cycle, syncs = engine.cycle._greedy, []
-
-    def counted(*args):
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, sampling_params=PARAMS, adapter_name=NAMES[i])
+    syncs, final = [], {}
+    while engine.has_unfinished_requests:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                result = cycle(*args)
+                outs = engine.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
-        return result
-
-    monkeypatch.setattr(engine.cycle, "_greedy", counted)
-    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS, adapter_names=NAMES)
-    assert [o.token_ids for o in outs] == expected
-    # Measured on the H200: the batch's first cycle syncs once more (it carries the prompts' prefill and
-    # may grow the pinned buffer ring); every later cycle exactly once, however many passes it queues.
-    assert len(syncs) > 2 and syncs[0] <= 2 and syncs[1:] == [1] * (len(syncs) - 1), f"host syncs per cycle: {syncs}"
+        final |= {o.request_id: o.token_ids for o in outs if o.finished}
+    assert [final[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert len(syncs) > 3 and syncs[0] <= 1 and sum(syncs[1:]) == 0, f"host syncs per step: {syncs}"
 
 
 def test_identical_with_gate_on(setup, backend):
@@ -438,7 +414,6 @@ def test_max_tokens_inside_accepted_run(setup, backend, max_tokens):
     spec = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=names)
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids and len(b.token_ids) == max_tokens and b.finish_reason == "length"
-    assert_all_cycles_greedy(engine)
 
 
 @pytest.fixture(scope="module", params=[1, 3])
@@ -470,7 +445,6 @@ def test_stop_strings_and_tokens_inside_accepted_runs(text_setup):
         assert [t for o in streamed for t in o.new_token_ids] == a.token_ids  # same tokens, same order
         assert "".join(o.delta_text for o in streamed) == a.text
         assert spec_engine.stats()["adapters"]["near"]["mean_accepted_length"] > 1  # runs were accepted
-        assert_all_cycles_greedy(spec_engine)
 
 
 def stream(engine, prompt, params):
@@ -487,14 +461,14 @@ def _paced_run(model, adapters, backend, params, prompts, limit):
     engine = make_engine(model, adapters, SpecConfig(num_draft_tokens=2, gate=False), **backend)
     engine.generate(prompt_token_ids=[[1]] * len(ADAPTERS), sampling_params=SamplingParams(max_tokens=1),
                     adapter_names=list(ADAPTERS))  # every adapter in a slot: the arrivals are admitted together
-    engine.cycle.pass_tokens = limit
-    sizes, run = [], engine.runner.run
+    engine.executor.pass_tokens = limit
+    sizes, launch = [], engine.runner.launch
 
     def counting(work, *args, **kw):  # each forward's tokens and its rows, then the real forward
         sizes.append((sum(len(w.token_ids) for w in work), len(work)))
-        return run(work, *args, **kw)
+        return launch(work, *args, **kw)
 
-    engine.runner.run = counting
+    engine.runner.launch = counting
     engine.add_request("r0", prompt_token_ids=prompts[0], sampling_params=params[0], adapter_name=NAMES[0])
     while not any(o.token_ids for o in engine.step()):  # it decodes: the next step is a cycle
         pass
@@ -508,8 +482,8 @@ def _paced_run(model, adapters, backend, params, prompts, limit):
     return final, sizes, engine.stats()["speculative"]
 
 
-@pytest.mark.parametrize("schedule", ["one-sync", "pass-by-pass"])
-def test_prompts_wait_for_a_pass_with_room(setup, backend, schedule):
+@pytest.mark.parametrize("batch", ["greedy", "sampled"])
+def test_prompts_wait_for_a_pass_with_room(setup, backend, batch):
     """With a pass limit (the largest CUDA graph's tokens, here set small), a prompt that would push a pass past it
     waits for the next pass with room, or for the next step when none of the cycle's passes has room (the verify
     pass included). Prompts that the cycle's passes could not hold all run at once (as in a burst), in one pass
@@ -517,7 +491,7 @@ def test_prompts_wait_for_a_pass_with_room(setup, backend, schedule):
     model, adapters, _ = setup
     prompts = [p * 4 for p in PROMPTS]  # 8-32 tokens each; the five arrivals 88
     params = [PARAMS] * len(prompts)
-    if schedule == "pass-by-pass":  # a sampled request sends every cycle down the pass-by-pass path
+    if batch == "sampled":
         params[0] = SamplingParams(max_tokens=PARAMS.max_tokens, temperature=1.0, seed=3, ignore_eos=True)
     plain = make_engine(model, adapters, None, **backend)
     expected = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params,
@@ -527,9 +501,7 @@ def test_prompts_wait_for_a_pass_with_room(setup, backend, schedule):
     final, sizes, spec = _paced_run(model, adapters, backend, params, prompts, 40)
     assert spec["paced_prompts"] >= 2
     assert max(n for n, _ in sizes) <= 40
-    assert [final[f"r{i}"] for i in range(1, len(prompts))] == expected[1:]
-    if schedule == "one-sync":
-        assert final["r0"] == expected[0]
+    assert [final[f"r{i}"] for i in range(len(prompts))] == expected
     # 12 tokens: the passes left could not hold them: the first takes them all
     final, sizes, spec = _paced_run(model, adapters, backend, params, prompts, 12)
     assert spec["paced_prompts"] == 0

@@ -14,11 +14,11 @@ def test_speculative_sampling_matches_plain_with_option(paths, monkeypatch, extr
     params = SamplingParams(max_tokens=3, temperature=0.8, top_k=5, top_p=0.95, ignore_eos=True, **extra)
     monkeypatch.setattr(chi, "PARAMS", params)
     if drafts:
-        exact = chi.exact_plain(paths)
+        exact = chi.exact_plain(paths, depth=3)
     else:  # t2's distribution depends on t1 through the penalty: p2 from the logits after the adjusted prefix
         exact = exact_with_adjustments(paths, params)
     assert sum(exact.values()) == pytest.approx(1.0)
-    observed, stats = chi.sample_pairs(paths, 8_000, seed=5)
+    observed, stats = chi.sample_pairs(paths, 8_000, seed=5, depth=3 if drafts else 2)
     ad = stats["adapters"]["a"]
     assert (ad["drafted_tokens"] > 7_000) if drafts else (ad["drafted_tokens"] == 0)
     assert chi.p_value(observed, exact) > 0.01

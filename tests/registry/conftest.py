@@ -124,3 +124,13 @@ def backend(request) -> str:
 @pytest.fixture
 def reg(make_registry, backend) -> Registry:
     return make_registry(backend)
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """The session's one real Serve app (tests/deployments/serve_harness.py)."""
+    from tests.deployments import serve_harness
+
+    app = serve_harness.acquire()
+    yield app
+    serve_harness.release()

@@ -4,6 +4,7 @@ Thirty of them in a row leave the listing and the version counter as they were."
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -227,3 +228,73 @@ def test_registering_for_a_base_model_with_other_shapes_is_refused(client_and_re
     resp = client.post("/v1/adapters", headers=ADMIN, json={"name": "w", "source_uri": str(src),
                        "sha256": sha_map(src), "base_model": "tiny-llama-wide"})
     assert resp.status_code == 422 and resp.json()["error"]["code"] == "shape_mismatch"
+
+
+# Refused for the body's shape, before any file is read: audited all the same.
+SCHEMA_CASES = {
+    "extra_field": {"colour": "red"},
+    "activate_as_string": {"activate": "true"},
+    "sha256_as_list": {"sha256": ["abc"]},
+    "name_as_number": {"name": 7},
+    "visibility_unknown": {"visibility": "secret"},
+    "tenant_as_number": {"tenant": 3},
+    "labels_not_strings": {"labels": {"k": 1}},
+    "too_many_labels": {"labels": {f"k{i}": "v" for i in range(40)}},
+    "label_value_too_long": {"labels": {"k": "v" * 300}},
+    "description_too_long": {"description": "d" * 5000},
+}
+UPLOADED = sorted(c for c, v in CASES.items() if v[2] is None and v[1] != "symlink"
+                  and c not in ("oversize_file", "too_many_files"))
+
+
+def _upload(client, upload_id: str, src: Path) -> str:
+    for p in sorted(src.iterdir()):
+        r = client.put(f"/v1/uploads/{upload_id}/{p.name}", content=p.read_bytes(),
+                       headers=ADMIN | {"X-Content-SHA256": sha_map(src)[p.name]})
+        assert r.status_code == 200, r.text
+    return client.get(f"/v1/uploads/{upload_id}", headers=ADMIN).json()["source_uri"]
+
+
+def test_thirty_refusals_of_every_kind_leave_no_upload_no_record_and_an_audit_entry_each(client_and_reg, stage,
+                                                                                        incoming_root, tiny_base):
+    client, reg = client_and_reg
+    uploads = Path(reg.settings.upload_dir)
+    states, refused = reg.list_states(), []
+    for i, case in enumerate(UPLOADED):  # files pushed to the upload area, then a registration refused for them
+        template, mutate, _, sha_fn, base, code, _ = CASES[case]
+        src = stage(template, mutate)
+        uri = _upload(client, f"refused-{i:03d}", src)
+        sha = sha_map(src)
+        r = client.post("/v1/adapters", headers=ADMIN, json={"name": f"up-{i}", "source_uri": uri, "base_model": base,
+                                                             "sha256": sha_fn(sha) if sha_fn else sha})
+        refused.append((case, r.status_code, r.json()["error"]["code"], f"up-{i}", "register_rejected"))
+    good = stage("a")
+    for i, (case, extra) in enumerate(sorted(SCHEMA_CASES.items())):
+        uri = _upload(client, f"schema-{i:03d}", good)
+        body = {"name": f"sc-{i}", "source_uri": uri, "sha256": sha_map(good), "base_model": BASE} | extra
+        r = client.post("/v1/adapters", headers=ADMIN, json=body)
+        name = body["name"] if isinstance(body["name"], str) else "-"
+        refused.append((case, r.status_code, r.json()["error"]["code"], name, "register_rejected"))
+    # uploads refused themselves: a wrong hash, a file over the limit, one file too many
+    sha = sha_map(good)
+    r = client.put("/v1/uploads/bad-hash-01/adapter_config.json", content=b"{}",
+                   headers=ADMIN | {"X-Content-SHA256": sha["adapter_config.json"]})
+    refused.append(("upload_sha256_mismatch", r.status_code, r.json()["error"]["code"], "bad-hash-01",
+                    "upload_rejected"))
+    r = client.put("/v1/uploads/too-big-01/adapter_model.safetensors", content=b"\0" * (300 * 1024),
+                   headers=ADMIN | {"X-Content-SHA256": "0" * 64})
+    refused.append(("upload_too_large", r.status_code, r.json()["error"]["code"], "too-big-01", "upload_rejected"))
+    for n in range(5):
+        r = client.put(f"/v1/uploads/too-many-01/extra{n}.safetensors", content=b"x",
+                       headers=ADMIN | {"X-Content-SHA256": hashlib.sha256(b"x").hexdigest()})
+    refused.append(("upload_too_many_files", r.status_code, r.json()["error"]["code"], "too-many-01",
+                    "upload_rejected"))
+
+    assert len(refused) >= 30
+    assert all(400 <= status < 500 for _, status, _, _, _ in refused), refused
+    assert [status for case, status, _, _, _ in refused if case.startswith("upload_too_large")] == [413]
+    assert not [p for p in uploads.iterdir()] if uploads.exists() else True  # no upload folder left
+    assert reg.list_states() == states and reg.blobs.list() == []  # no record, no blob
+    audit = reg.audit(limit=1000)  # oldest first
+    rejected = [(e.name, e.action, e.details["code"]) for e in audit if e.action.endswith("_rejected")]
+    assert rejected == [(name, action, code) for _, _, code, name, action in refused]

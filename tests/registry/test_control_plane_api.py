@@ -3,6 +3,7 @@ every endpoint through a real app, and the audit trail of who did what."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -48,7 +49,12 @@ def test_401_without_valid_token(api, method, path, body, auth):
     rev = reg.revision()
     headers = {"Authorization": auth} if auth else {}
     resp = client.request(method, path, headers=headers, json=body)
-    assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer"
+    browser = path in ("/openapi.json", "/docs")  # pages a browser opens: it is asked for Basic auth
+    if browser and auth == "Basic YWRtOmFkbQ==":  # adm:adm, the admin token as the password: let in
+        assert resp.status_code == 200
+        return
+    assert resp.status_code == 401
+    assert resp.headers["www-authenticate"] == ('Basic realm="loraserve control plane"' if browser else "Bearer")
     assert resp.json()["error"]["code"] == "unauthorized"
     assert reg.revision() == rev
 
@@ -129,13 +135,15 @@ def test_full_lifecycle_over_http_is_audited(api, stage):
      422, "invalid_request"),
     ("delete", "/v1/adapters/s", None, 409, "conflict"),
 ])
-def test_refused_operations_change_nothing(api, stage, method, path, body, status, code):
+def test_refused_operations_change_nothing_and_are_audited(api, stage, method, path, body, status, code):
     client, reg = api
     assert _register(client, "adm", "s", stage("a"), activate=True).status_code == 201
-    rev = reg.revision()
+    rev, states = reg.revision(), reg.list_states()
     resp = client.request(method, path, headers=H("adm"), json=body)
     assert resp.status_code == status and resp.json()["error"]["code"] == code, resp.text
-    assert reg.revision() == rev
+    assert reg.list_states() == states
+    (entry,) = reg.audit(after_seq=rev)  # the refusal itself, who and why
+    assert entry.action.endswith("_rejected") and entry.actor == "root" and entry.details["code"] == code
 
 
 def test_openapi_schema_and_docs_need_the_admin_token(api):
@@ -143,8 +151,14 @@ def test_openapi_schema_and_docs_need_the_admin_token(api):
     assert client.get("/openapi.json", headers=H("acme")).status_code == 403
     assert client.get("/docs", headers=H("acme")).status_code == 403
     docs = client.get("/docs", headers=H("adm"))
-    assert docs.status_code == 200 and "/openapi.json" in docs.text and "swagger" in docs.text.lower()
-    paths = client.get("/openapi.json", headers=H("adm")).json()["paths"]
+    assert docs.status_code == 200 and "POST /v1/adapters/{name}/promote" in docs.text
+    assert "<script" not in docs.text and "http" not in docs.text.replace("http_error", "")  # nothing from elsewhere
+    assert "adm" not in docs.text.split("<body>")[1].replace("admin", "")  # the token is not in the page
+    # a browser gives the token as the password of HTTP Basic auth (any user name)
+    basic = {"Authorization": "Basic " + base64.b64encode(b"me:adm").decode()}
+    assert client.get("/docs", headers=basic).status_code == 200
+    assert client.get("/v1/adapters", headers=basic).status_code == 401  # the API itself takes Bearer only
+    paths = client.get("/openapi.json", headers=basic).json()["paths"]
     assert {"/v1/adapters", "/v1/adapters/{name}", "/v1/adapters/{name}/versions", "/v1/adapters/{name}/promote",
             "/v1/adapters/{name}/canary", "/v1/adapters/{name}/rollback", "/v1/adapters/{name}/disable",
             "/v1/adapters/{name}/enable", "/v1/adapters/{name}/versions/{version}", "/v1/base-models", "/v1/audit",

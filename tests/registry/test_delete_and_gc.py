@@ -42,12 +42,14 @@ def test_active_version_and_adapter_need_force_and_numbers_are_not_reused(reg0, 
     a = stage("a")
     reg0.register("d", str(a), sha_map(a), BASE, activate=True)
     reg0.register("d", str(a), sha_map(a), BASE)
-    rev = reg0.revision()
+    rev, states = reg0.revision(), reg0.list_states()
     with pytest.raises(LifecycleConflict, match="active"):
         reg0.delete_version("d", 1)
     with pytest.raises(LifecycleConflict, match="force"):
         reg0.delete_adapter("d")
-    assert reg0.revision() == rev
+    assert reg0.list_states() == states  # refused: nothing changed but the audit log
+    assert [e.action for e in reg0.audit(after_seq=rev, newest_first=False)] == ["delete_version_rejected",
+                                                                                "delete_adapter_rejected"]
     reg0.delete_version("d", 2)
     out = reg0.delete_adapter("d", force=True, actor="carol")
     assert out["deleted_versions"] == [1] and reg0.blobs.list() == []
@@ -103,8 +105,9 @@ def test_delete_and_gc_over_http_are_audited(reg0, stage):
     assert client.post("/v1/gc", headers={"Authorization": "Bearer pub"}).status_code == 403
     assert client.post("/v1/gc", headers=ADMIN).json() == {"deleted_blobs": []}
     audit = client.get("/v1/audit", headers=ADMIN, params={"name": "h"}).json()
-    assert [(e["action"], e["actor"]) for e in audit] == [("delete_adapter", "root"), ("promote", "root"),
-                                                          ("register", "root")]
+    assert [(e["action"], e["actor"]) for e in audit] == [
+        ("delete_adapter_rejected", "root"), ("delete_adapter", "root"), ("delete_version_rejected", "root"),
+        ("delete_adapter_rejected", "root"), ("promote", "root"), ("register", "root")]
 
 
 def test_stale_uploads_are_removed_when_a_new_upload_starts(make_registry, tmp_path):

@@ -130,3 +130,28 @@ def test_base_model_upload_in_direct_mode_only(cli_env, capsys, tiny_base, monke
     monkeypatch.setattr("registry.cli.HttpBackend._control_plane_root", staticmethod(lambda url: url))
     code, _, err = run(capsys, "--url", "http://127.0.0.1:9", "base-model", "x", str(tiny_base), "--upload")
     assert code == 1 and "without --url" in err
+
+
+def test_help_names_every_command_and_says_what_each_does():
+    from registry.cli import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert "register base models." in text  # the whole description, not its first line cut off
+    (sub,) = [a for a in parser._actions if a.dest == "command"]  # noqa: SLF001 - argparse keeps them there
+    helps = {c.dest: c.help for c in sub._choices_actions}  # noqa: SLF001
+    assert set(helps) == set(sub.choices) and len(helps) == 14 and all(helps.values()), helps
+    for name in sub.choices:
+        assert name in text
+
+
+def test_init_example_writes_an_adapter_the_registry_accepts(cli_env, capsys, tiny_base, tmp_path):
+    assert run(capsys, "base-model", BASE, str(tiny_base))[0] == 0
+    code, out, err = run(capsys, "init-example", str(tmp_path / "ex"), "--base-model", BASE, "--rank", "4")
+    assert code == 0, err
+    assert sorted(out["files"]) == ["adapter_config.json", "adapter_model.safetensors"]
+    code, rec, err = run(capsys, "push", str(tmp_path / "ex"), "--name", "ex", "--base-model", BASE, "--activate")
+    assert code == 0, err
+    assert rec["rank"] == 4 and sorted(rec["target_modules"]) == ["q_proj", "v_proj"] and rec["status"] == "active"
+    code, _, err = run(capsys, "init-example", str(tmp_path / "ex"), "--base-model", BASE)
+    assert code == 1 and "not empty" in err

@@ -71,7 +71,7 @@ def test_push_to_a_server_on_another_root_over_http(remote, capsys, adapter_temp
     bad = httpx.put(f"{url}/admin/v1/uploads/broken-upload-01/adapter_config.json", content=b"not the file",
                     headers={"Authorization": "Bearer tok", "X-Content-SHA256": sha["adapter_config.json"]})
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "sha256_mismatch"
-    assert not any((home / "uploads" / "broken-upload-01").iterdir())
+    assert not (home / "uploads" / "broken-upload-01").exists()  # a refused upload leaves nothing
     code, rec2, err = run(capsys, *cli, "push", "adapter", "--name", "remote-a", "--base-model", BASE)
     assert code == 0, err
     assert rec2["version"] == 2 and rec2["source_uri"] == rec["source_uri"]

@@ -6,12 +6,12 @@ from router.assignments import AssignmentMemory
 from router.policy import (
     AffinityConfig,
     ReplicaState,
-    adapter_family,
     is_saturated,
     num_homes,
     rank_for_adapter,
     rank_for_base,
 )
+from router.keys import AdapterKey
 from router.rendezvous import home_replicas
 
 CFG = AffinityConfig()
@@ -91,7 +91,18 @@ def test_cold_new_adapter_goes_to_its_home():
 def test_versions_share_homes():
     reps = [rs(f"r{i}") for i in range(5)]
     assert rank_for_adapter("x@1", reps, 1, CFG)[0] == rank_for_adapter("x@2", reps, 1, CFG)[0]
-    assert adapter_family("x@2") == "x" and adapter_family("x") == "x"
+    assert AdapterKey.family("x@2") == "x" and AdapterKey.family("x") == "x"
+
+
+@pytest.mark.parametrize("text, key", [("sql@3", AdapterKey("sql", 3)), ("a.b-c_1@12", AdapterKey("a.b-c_1", 12))])
+def test_adapter_key_round_trips(text, key):
+    assert AdapterKey.parse(text) == key and str(key) == text and AdapterKey.family(text) == key.name
+
+
+@pytest.mark.parametrize("text", ["sql", "sql@", "@3", "sql@v3", "sql@-1", "a@b@2"])
+def test_adapter_key_refuses_anything_but_name_at_version(text):
+    with pytest.raises(ValueError):
+        AdapterKey.parse(text)
 
 
 def test_device_before_host_residency_in_tier0():

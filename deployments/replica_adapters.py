@@ -1,0 +1,124 @@
+"""Which adapter versions a replica offers, on top of the engine, which owns what is resident.
+
+The engine's host cache (`max_cpu_loras` parsed adapters) is the one record of residency: this module asks it
+(`host_adapters`) and orders its evictions (`choose_victim`: versions the registry no longer serves first, then
+the placement's order, never a pinned or warm home), but keeps no list of its own. What it adds is the serving
+state: files come through the registry only (`materialize` re-checks every sha256; never a path from a request),
+one load at a time per version; disabled adapters are refused; withdrawn versions are not offered.
+
+A version a request names is served even after it was withdrawn (the ingress resolved it before the change);
+versions are immutable, so the engine keeps a registered version for good and re-reads it from disk when it
+was evicted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Optional
+
+from deployments.replica_placement import ReplicaPlacement
+from router.keys import AdapterKey
+
+__all__ = ["ReplicaAdapters", "AdapterBlocked"]
+
+
+class AdapterBlocked(Exception):
+    """The adapter was disabled after the ingress resolved it."""
+
+
+class ReplicaAdapters:
+    def __init__(self, engine: Any, registry: Any, placement: ReplicaPlacement,
+                 clock: Callable[[], float] = time.monotonic):
+        self._engine, self._registry, self._placement, self._clock = engine, registry, placement, clock
+        self._loading: dict[str, asyncio.Future] = {}
+        self._blocked: set[str] = set()  # disabled adapter names (every version)
+        self._withdrawn: set[str] = set()  # keys of versions the registry no longer serves
+        engine.set_host_eviction(self.choose_victim)
+
+    # ---------------------------------------------------------------- requests
+    async def acquire(self, key: str, record: Any = None) -> tuple[bool, float]:
+        """Make `key` servable -> (hit: it was in host memory, seconds spent loading it). `record`: the
+        registry's record of the version, as the ingress resolved it (else it is read from the registry).
+        Raises AdapterBlocked, the registry's refusal (RegistryError) or the engine's (AdapterError)."""
+        self._check(key)
+        hit = key in self._engine.host_adapters()
+        if self._engine.has_adapter(key):  # registered: the engine re-reads an evicted one by itself
+            return hit, 0.0
+        load_s = await self._load_once(key, record)
+        self._check(key)  # disabled while it loaded
+        return False, load_s
+
+    def _check(self, key: str) -> None:
+        name = AdapterKey.family(key)
+        if name in self._blocked:
+            raise AdapterBlocked(f"adapter {name!r} is disabled")
+
+    async def _load_once(self, key: str, record: Any) -> float:
+        pending = self._loading.get(key)
+        if pending is not None:
+            await asyncio.shield(pending)
+            return 0.0
+        fut = asyncio.get_running_loop().create_future()
+        self._loading[key] = fut
+        start = self._clock()
+        try:
+            await self._load(AdapterKey.parse(key), record)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                fut.cancel()
+            else:
+                fut.set_exception(e)
+                fut.exception()  # mark retrieved: waiters re-raise it, nobody else must
+            raise
+        finally:
+            self._loading.pop(key, None)
+        fut.set_result(None)
+        return self._clock() - start
+
+    async def _load(self, key: AdapterKey, record: Any) -> None:
+        """Registry record -> sha256-verified local copy -> engine."""
+        if record is None or (record.name, record.version) != (key.name, key.version):
+            state = await asyncio.to_thread(self._registry.get, key.name)
+            record = state.versions.get(key.version)
+            if record is None:
+                raise LookupError(f"adapter {key.name!r} has no version {key.version}")
+        path = await asyncio.to_thread(self._registry.materialize, record)
+        await asyncio.to_thread(self._engine.add_adapter, str(key), str(path))
+
+    # ---------------------------------------------------------------- change feed
+    def block(self, name: str) -> None:
+        """Disabled: refuse new requests for every version."""
+        self._blocked.add(name)
+
+    def unblock(self, name: str) -> None:
+        self._blocked.discard(name)
+
+    def retire(self, name: str, keep: frozenset[str] = frozenset()) -> None:
+        """Withdraw every version of `name` but the keys in `keep`: no longer offered, evicted first."""
+        versions = {k for k in self._withdrawn | set(self._engine.host_adapters()) if AdapterKey.family(k) == name}
+        self._withdrawn = {k for k in self._withdrawn if AdapterKey.family(k) != name} | (versions - keep)
+
+    # ---------------------------------------------------------------- views
+    def known(self) -> list[str]:
+        """The versions this replica holds in host memory and offers: the engine's host cache, least recently
+        used first, less withdrawn versions and disabled adapters."""
+        return [k for k in self._engine.host_adapters()
+                if k not in self._withdrawn and AdapterKey.family(k) not in self._blocked]
+
+    def is_known(self, key: str) -> bool:
+        return key in self.known()
+
+    def families(self) -> set[str]:
+        return {AdapterKey.family(k) for k in self.known()}
+
+    def blocked(self) -> list[str]:
+        return sorted(self._blocked)
+
+    # ---------------------------------------------------------------- the engine's evictions
+    def choose_victim(self, candidates: list[str]) -> Optional[str]:
+        """Which of the engine's unpinned host-resident adapters (least recently used first) to evict:
+        withdrawn versions first, then the placement's order (homed elsewhere, then tier, then decayed
+        requests); pinned and warm homes stay."""
+        pool = [k for k in candidates if k in self._withdrawn or not self._placement.protected(k)]
+        return min(pool, key=lambda k: (k not in self._withdrawn, self._placement.victim_key(k)), default=None)

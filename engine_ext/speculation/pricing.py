@@ -1,0 +1,104 @@
+"""The gate's arithmetic, as pure functions of measured pass times (cost.StepTimes) and acceptance estimates.
+
+A cycle that drafts m tokens for a sequence whose drafts are accepted with probability a yields
+E(a, m) = (1 - a^(m+1)) / (1 - a) tokens. It costs its overhead (host work not hidden behind the device, paid once
+per cycle whatever its length) plus M = max m base-only passes plus one adapter-on verify pass over sum(m + 1)
+tokens, against one plain adapter-on step per token. Riders decode in every pass: M + 1 tokens a cycle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .acceptance import useful_drafts
+from .cost import StepTimes
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The decoding batch a cycle is priced for: per adapter sequence its acceptance estimate, its longest useful
+    draft (`caps`) and whether it rides; base-only sequences beside them; `slowest`: a closed batch's tokens to go
+    per adapter sequence when its slowest sequence prices it (else None)."""
+
+    accs: tuple[float, ...]
+    caps: tuple[int, ...]
+    ride: tuple[bool, ...]
+    num_base: int
+    distinct: int  # distinct adapters among the adapter sequences
+    riding: int  # distinct adapters among the riding ones (the drafting passes read them)
+    closed: bool = False  # nothing waits to join: the batch is done when its slowest sequence is
+    slowest: tuple[int, ...] | None = None
+
+
+def expected_gains(accs: np.ndarray, lengths: np.ndarray, ride: np.ndarray, passes: int) -> np.ndarray:
+    """Tokens a cycle of `passes` passes yields per adapter sequence: E(a, m), or passes + 1 for a rider."""
+    safe = np.where(accs >= 1.0, 0.5, accs)
+    gains = np.where(accs >= 1.0, lengths + 1.0, (1.0 - safe ** (lengths + 1)) / (1.0 - safe))
+    return np.where(ride, passes + 1.0, gains)
+
+
+def adapter_on_time(times: StepTimes, tokens: int, distinct: int) -> float | None:
+    """An adapter-on pass of `tokens` tokens: from the verify passes measured (`StepTimes.get`), else, before any
+    cycle, the nearest plain step (optimistic for a larger pass: a decision it drives measures the size). A plain
+    step is not used once verify passes are measured: its time includes host work the cycle's overhead counts."""
+    t = times.get("lora", tokens, distinct)
+    return t if t is not None else times.get("plain", tokens, distinct)
+
+
+def cycle_rate(times: StepTimes, batch: Batch, lengths: list[int], slowest: bool = True) -> float | None:
+    """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured). With `slowest`
+    and batch.slowest set: the batch's tokens over the time its slowest sequence takes at this cycle."""
+    passes = max(lengths, default=0)
+    if not passes:
+        return None
+    n = len(lengths) + batch.num_base
+    t_base = times.get("base", n, batch.riding)
+    t_verify = adapter_on_time(times, sum(lengths) + len(lengths) + batch.num_base, batch.distinct)
+    if t_base is None or t_verify is None:
+        return None
+    t_cycle = (times.get("overhead", n, 0) or 0.0) + passes * t_base + t_verify
+    gains = expected_gains(np.array(batch.accs), np.array(lengths), np.array(batch.ride, dtype=bool), passes)
+    if slowest and batch.slowest:
+        left = np.array(batch.slowest, dtype=float)
+        return float(left.sum() / ((left / gains).max() * t_cycle))
+    return float((gains.sum() + batch.num_base * (passes + 1)) / t_cycle)
+
+
+def lengths_for(batch: Batch, passes: int, min_acceptance: float) -> list[int]:
+    """Every adapter sequence drafts `passes`, none if it rides, one if its acceptance is below min_acceptance (its
+    first draft keeps its estimate current), never past its cap."""
+    return [0 if r else min(1 if a < min_acceptance else passes, cap)
+            for r, a, cap in zip(batch.ride, batch.accs, batch.caps)]
+
+
+def best_lengths(times: StepTimes, batch: Batch, k: int, min_acceptance: float) -> tuple[list[int], float | None]:
+    """The draft lengths that maximise the predicted rate, and that rate. For each M in 1..k every adapter sequence
+    drafts M (`lengths_for`); then, once the verify pass's cost per token is known (two measured sizes), each keeps
+    only the drafts that repay their verify tokens, and at least one: its j-th draft adds a^j expected tokens for
+    one more verify token, worth it while a^j >= rate x seconds per verify token. A closed batch keeps its drafts
+    (it waits for its slowest sequence). Nothing measured yet: M = 1, the cheapest cycle that
+    measures both pass kinds."""
+    best, best_rate = lengths_for(batch, 1, min_acceptance), None
+    for passes in range(1, k + 1):
+        cand = lengths_for(batch, passes, min_acceptance)
+        rate = cycle_rate(times, batch, cand)
+        if rate is None:
+            continue
+        per_token = times.slope("lora", sum(cand) + len(cand) + batch.num_base, batch.distinct)
+        if per_token > 0 and passes > 1 and not batch.closed:
+            worth = rate * per_token
+            pruned = [min(m, max(1, useful_drafts(a, worth))) if m > 1 else m for m, a in zip(cand, batch.accs)]
+            if pruned != cand:
+                cand, rate = pruned, cycle_rate(times, batch, pruned, slowest=False)
+        if best_rate is None or rate > best_rate:
+            best, best_rate = cand, rate
+    return best, best_rate
+
+
+def plain_rate(batch: Batch, t_plain: float) -> float:
+    """Tokens per second of plain steps: one per sequence a step (a closed batch priced by its slowest: its tokens
+    over the steps its longest sequence takes)."""
+    if batch.slowest:
+        return sum(batch.slowest) / (max(batch.slowest) * t_plain)
+    return (len(batch.accs) + batch.num_base) / t_plain
