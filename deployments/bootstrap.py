@@ -1,7 +1,7 @@
 """Start-up registration: the base model, and with the embedded demo its adapters; and where each
 replica finds the base model's directory.
 
-`model` is one of: unset (the embedded demo, built on each node), a local Hugging Face directory,
+`model` is one of: unset (the embedded demo `demo_recipe`, made ready on each node), a local Hugging Face directory,
 or `registry://NAME`: a base model whose files the registry stores (`lora-registry base-model NAME DIR
 --upload`), fetched by each replica from the blob store (S3 on a cluster), so no pod needs a model volume.
 
@@ -19,11 +19,12 @@ from typing import Any, Optional
 from deployments.config import AppConfig
 
 __all__ = ["make_registry", "bootstrap", "demo_paths", "sha256_of_dir", "replica_model_dir", "stored_base_name",
-           "DEMO_BASE_NAME", "REGISTRY_MODEL_SCHEME"]
+           "DEMO_BASE_NAME", "SMOLLM2_BASE_NAME", "REGISTRY_MODEL_SCHEME"]
 
 logger = logging.getLogger(__name__)
 
-DEMO_BASE_NAME = "demo"
+DEMO_BASE_NAME = "demo"          # the toy demo's name in the registry
+SMOLLM2_BASE_NAME = "smollm2"    # the default demo's
 REGISTRY_MODEL_SCHEME = "registry://"
 
 
@@ -38,10 +39,23 @@ def make_registry(cfg: AppConfig, extra_local_roots: Optional[list[Path]] = None
 
 
 def demo_paths(cfg: AppConfig) -> dict:
-    """{"model": dir, "adapters": {name: dir}} of the embedded demo, built on first use."""
-    from demo import DEFAULT_RECIPE, ensure_demo, quick_recipe
+    """{"model": dir, "adapters": {name: dir}} of the embedded demo, made ready on first use."""
+    from demo import DEFAULT_RECIPE, ensure_demo, ensure_smollm2, quick_recipe
 
+    if cfg.demo_recipe == "smollm2":
+        return ensure_smollm2()
     return ensure_demo(recipe=quick_recipe() if cfg.demo_recipe == "quick" else DEFAULT_RECIPE)
+
+
+def _demo_names(cfg: AppConfig) -> tuple[str, str]:
+    """(the demo base's registry name, the name its adapters' configs cite)."""
+    if cfg.demo_recipe == "smollm2":
+        from demo.smollm2.model import MODEL_NAME
+
+        return SMOLLM2_BASE_NAME, MODEL_NAME
+    from demo.recipe import BASE_MODEL_NAME
+
+    return DEMO_BASE_NAME, BASE_MODEL_NAME
 
 
 def stored_base_name(cfg: AppConfig) -> Optional[str]:
@@ -117,11 +131,10 @@ def bootstrap(cfg: AppConfig) -> AppConfig:
     demo_adapters: dict[str, str] = {}
     aliases: list[str] = []
     if cfg.model is None:
-        from demo.recipe import BASE_MODEL_NAME
-
-        aliases = [BASE_MODEL_NAME]  # the name the demo adapters' configs cite
+        default_name, cited = _demo_names(cfg)
+        aliases = [cited]  # the name the demo adapters' configs cite
         paths = demo_paths(cfg)
-        model_dir, base = paths["model"], cfg.base_model_name or DEMO_BASE_NAME
+        model_dir, base = paths["model"], cfg.base_model_name or default_name
         demo_adapters = paths["adapters"] if cfg.register_demo_adapters else {}
     elif (stored := stored_base_name(cfg)) is not None:
         return _check_stored_base(cfg, stored)

@@ -58,7 +58,9 @@ class AppConfig(BaseModel):
         None, description="the base model's name in the registry and in `model`; default: the dir's name"
     )
     register_demo_adapters: bool = Field(True, description="register the demo adapters (demo model only)")
-    demo_recipe: Literal["full", "quick"] = Field("full", description="demo build: full, or seconds-long (tests)")
+    demo_recipe: Literal["smollm2", "toy", "quick"] = Field("smollm2", description=(
+        "the embedded demo: SmolLM2-135M-Instruct (a PyPI wheel) and its adapters, or the toy model trained here "
+        "(no download; quick: its seconds-long build, for tests)"))
     engine: dict[str, Any] = Field(
         default_factory=dict, description="engine_ext.EngineConfig fields (all but `model`): what is not set takes "
         "the device profile's default (deployments.engine_settings); after loading, every field resolved")

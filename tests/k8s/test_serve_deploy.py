@@ -2,7 +2,7 @@
 a local `ray start --head` cluster whose environment is the GPU worker pod's (the ConfigMap, the Secret, the
 container's `env` expanded as the kubelet does), against a real redis-server with a password and an S3
 endpoint (moto's server). The base model and adapters reach the replicas only through the registry: they are
-uploaded with the README's `lora-registry` commands and the local model directory is deleted before the
+uploaded with docs/kubernetes.md's `lora-registry` commands and the local model directory is deleted before the
 deploy. Ray's token authentication is on, as the manifest's `authOptions` asks (RAY_AUTH_MODE/RAY_AUTH_TOKEN).
 What differs from the cluster: the hardware profile (config.yaml's LORASERVE_DEVICE, ...: CPUs here), the
 Secret's values, the services' addresses (S3_ENDPOINT_URL, the Redis Service's name) and each volume, which
@@ -191,7 +191,7 @@ def test_manifest_serve_config_deploys_with_serve_deploy(tmp_path, moto_server):
         env = _pod_env(tmp_path, moto_server, redis_url, secret_values)
         boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket=env["S3_BUCKET"])
 
-        # The operator's steps (README): the base model's files and the adapters into the registry.
+        # The operator's steps (docs/kubernetes.md, step 5): the base model's files and the adapters into the registry.
         model_dir = _tiny_model(tmp_path / "model")
         from tests.engine_ext.tiny_models import build_adapter
 
