@@ -8,7 +8,7 @@ measures both on the same (p, q) pairs: the adapter-on model's and the base mode
 temperature T along texts the adapter samples (transformers + peft, on the CPU), per adapter; Gumbel's chance
 estimated from `--draws` noise draws per position.
 
-    python bench/coupling.py --temperature 0.7            # the embedded demo's model and adapters
+    python bench/coupling.py --temperature 0.7            # SmolLM2 and its adapters (the embedded default)
     python bench/coupling.py --model DIR --adapter name=DIR --adapter name2=DIR2
 
 Prints one JSON object: per adapter the mean per-position acceptance under each rule and the positions measured."""
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="the base model directory (default: the embedded demo's)")
-    ap.add_argument("--adapter", action="append", default=[], help="NAME=DIR (default: the demo's adapters)")
+    ap.add_argument("--model", default=None, help="the base model directory (default: SmolLM2, the embedded default)")
+    ap.add_argument("--adapter", action="append", default=[], help="NAME=DIR (default: SmolLM2's adapters)")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--tokens", type=int, default=48, help="sampled tokens per prompt")
     ap.add_argument("--draws", type=int, default=2000)
@@ -41,9 +41,9 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     if args.model is None:
-        from demo import ensure_demo
+        from demo import ensure_smollm2
 
-        paths = ensure_demo()
+        paths = ensure_smollm2()
         model_dir, adapters = paths["model"], paths["adapters"]
     else:
         model_dir, adapters = args.model, dict(a.split("=", 1) for a in args.adapter)
@@ -53,7 +53,11 @@ def main() -> None:
     model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(adapters[name], adapter_name=name)
-    prompts = ["def __init__(self", "The capital of France is", "import os\n", "Write a short answer: why is the sky"]
+    chat = getattr(tok, "chat_template", None) is not None
+    questions = ["What is the capital of France?", "Write a Python function that adds two numbers.",
+                 "Why is the sky blue?", "Describe the function sorted() in one line."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               if chat else q for q in questions]
     t = args.temperature
     out = {"machine": machine(), "temperature": t, "draws": args.draws, "adapters": {}}
     with torch.no_grad():

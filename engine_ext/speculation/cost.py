@@ -7,11 +7,7 @@ once per cycle whatever its length)."""
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections import Counter
-
-import torch
 
 
 def bucket(n: int) -> int:
@@ -99,50 +95,3 @@ class StepTimes:
         i = min(max(1, sum(n < tokens for n, _ in pts)), len(pts) - 1)
         (n0, t0), (n1, t1) = pts[i - 1], pts[i]
         return max(0.0, (t1 - t0) / (n1 - n0)) if n1 > n0 else 0.0
-
-
-class PassClock:
-    """Durations of forwards queued without a host sync, read after the cycle's one sync: CUDA events on a
-    GPU (each span is that pass's share of the device timeline); elsewhere every pass is synchronous and
-    the host clock times it."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._events: list = []  # reused across cycles: read only after the sync that completes them
-        self._marks: list = []
-        self._side = None  # the stream read_after copies on
-
-    def mark(self) -> None:
-        """At the start of the first pass, then after each pass is queued."""
-        if not self.cuda:
-            self._marks.append(time.perf_counter())
-            return
-        if len(self._events) == len(self._marks):
-            self._events.append(torch.cuda.Event(enable_timing=True))
-        event = self._events[len(self._marks)]
-        event.record()
-        self._marks.append(event)
-
-    def wait(self, i: int) -> None:
-        """Block the host until the device has passed mark i (on a CPU every mark is already past)."""
-        if self.cuda:
-            self._marks[i].synchronize()
-
-    def read_after(self, i: int, values: torch.Tensor, idx: list[int]) -> list[int]:
-        """values[idx] on the host once the device has passed mark i, without waiting for what was queued after
-        that mark (on a GPU a side stream waits on it alone and copies)."""
-        if not self.cuda:
-            return values[idx].tolist()
-        if self._side is None:
-            self._side = torch.cuda.Stream(values.device)
-        with torch.cuda.stream(self._side):
-            self._side.wait_event(self._marks[i])
-            picked = values[torch.tensor(idx, device=values.device)].cpu()
-        return picked.tolist()
-
-    def spans(self) -> list[float]:
-        """Seconds between consecutive marks (call after a sync that covers every pass), and reset."""
-        marks, self._marks = self._marks, []
-        if self.cuda:
-            return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
-        return [b - a for a, b in itertools.pairwise(marks)]

@@ -17,12 +17,3 @@ def accepted_lengths(drafts: torch.Tensor, targets: torch.Tensor, valid: torch.T
     """[R, K] drafts, the target tokens drawn at the same positions, and which entries are drafts -> [R] the number
     of leading drafts equal to their target (on the device)."""
     return ((drafts == targets) & valid).long().cumprod(dim=1).sum(dim=1)
-
-
-def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
-    """The same rule on the host: target[i] = the target's token after last, d1..di: keep drafts while they agree,
-    then the target's own."""
-    n = 0
-    while n < len(drafts) and drafts[n] == target[n]:
-        n += 1
-    return drafts[:n] + [target[n]]
