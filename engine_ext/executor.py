@@ -58,7 +58,7 @@ class StepExecutor:
         rows it shares with this one start from."""
         if not step.passes:
             return self._plain(step.seqs, carry)
-        planner = Planner(step.passes, self.width, self.pass_tokens if step.passes else None)
+        planner = Planner(step.passes, self.width, self.pass_tokens)
         planner.add(step.rows)
         seqs = list(step.seqs)
         c = len(carry.seqs) if carry is not None else 0
@@ -70,17 +70,17 @@ class StepExecutor:
             if j and step.join is not None:
                 self._between(step, planner, run, j)
             self._forward(planner.next_pass(), run, planner.plan)
-        if step.passes and step.join is not None:
+        if step.join is not None:
             self._between(step, planner, run, step.passes)
         self._forward(planner.verify_pass(), run, planner.plan)
-        if step.passes and step.first is not None:  # the last drafting pass's first tokens, before the verify ends
+        if step.first is not None:  # the last drafting pass's first tokens, before the verify pass ends
             self._first_tokens(step, planner.plan, run, step.passes - 1)
         self._count(planner.plan)
         return self._flight(planner.plan, run)
 
     def _count(self, plan: StepPlan) -> None:
         c = self.counters
-        if c is None or not plan.passes:
+        if c is None:
             return
         c.draft_passes += plan.passes
         c.cycle_passes[plan.passes] += 1
@@ -110,18 +110,16 @@ class StepExecutor:
             work.append(w)
             params.append(seq.params)
             seeds.append(seq.seed)
-        marks = [self._mark()]
         logits, positions = self.runner.launch(
             work, self.slots, use_lora=any(s.adapter is not None for s in seqs), owned=False, shifts=shifts,
             tokens=carry.last if carry is not None else None, token_src=src if carry is not None else None)
         kept = {r: logits[r].float().clone() for r, s in enumerate(seqs) if s.params.needs_rows}
         rows = SamplingRows.pack(params, seeds, self.device)
         tokens = sample(adjust_logits(logits, params, seqs), rows, None if rows is None else positions + 1)
-        marks.append(self._mark())
         host, ready = self._to_host(tokens)
         n = len(seqs)
-        ones = [1] * n
-        return self._rows(Flight(list(seqs), None, ones, ones, tokens, None, host[:, None], ready, marks, [], kept,
+        ones = [1] * n  # (a plain step is priced by its whole time, not by its forward's span: no marks)
+        return self._rows(Flight(list(seqs), None, ones, ones, tokens, None, host[:, None], ready, [], [], kept,
                                  [0] * n, commits=[[r] for r in range(n)], counted=False))
 
     def _forward(self, fwd: Forward, run: _Run, plan: StepPlan) -> None:
