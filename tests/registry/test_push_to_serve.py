@@ -71,7 +71,7 @@ def test_a_50_mb_push_resumes_after_a_kill_and_the_limit_is_the_uploads_own(serv
     with socket.create_connection((host, int(port)), timeout=60) as sock:  # the headers alone, no body sent
         sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {AUTH['Authorization']}\r\n"
                      f"X-Content-SHA256: {'0' * 64}\r\nContent-Length: {UPLOAD_LIMIT + 1}\r\n\r\n".encode())
-        answer = sock.recv(65536).decode(errors="replace")
+        answer = _response(sock)
     assert answer.startswith("HTTP/1.1 413") and "file_too_large" in answer, answer[:300]
     assert not (uploads / "too-big-upload").exists()
     url = serve_app.base_url + path
@@ -81,3 +81,23 @@ def test_a_50_mb_push_resumes_after_a_kill_and_the_limit_is_the_uploads_own(serv
     assert r.status_code == 413 and not (uploads / "too-big-upload").exists()
     audit = httpx.get(f"{serve_app.base_url}/admin/v1/audit", headers=AUTH, params={"name": "too-big-upload"}).json()
     assert [e["action"] for e in audit] == ["upload_rejected", "upload_rejected"]
+
+
+def _response(sock: socket.socket) -> str:
+    """One HTTP response, headers and its Content-Length body, however many reads it arrives in."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode(errors="replace")
+
