@@ -192,13 +192,13 @@ class LLMEngine:
         self._fail_orphans()
         outputs = []
         if self._flight is not None and any(s.params.adjusts_logits and not s.ended for s in self._flight.seqs):
-            outputs = self._read(ctx, None)
+            outputs = self._read(None)
         batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
         if batch.wait:  # memory is short for the queued step's most: read it first
-            outputs += self._read(ctx, None)
+            outputs += self._read(None)
             batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
         flight, plan = self._launch(ctx, batch, start)
-        outputs += self._read(ctx, flight)
+        outputs += self._read(flight)
         self._flight, self._flight_plan = flight, plan
         self.counters.steps += flight is not None
         return outputs + self._emit([])
@@ -242,7 +242,7 @@ class LLMEngine:
         if live:
             ctx.publish([self.outputs.output(s, False) for s in live])
 
-    def _read(self, ctx: StepContext, queued: Flight | None) -> list[RequestOutput]:
+    def _read(self, queued: Flight | None) -> list[RequestOutput]:
         """Read the step queued before `queued` (the one just queued, if any): commit each row's tokens, hand back
         the sequences that ended, feed the gate; returns the outputs."""
         flight, plan = self._flight, self._flight_plan
