@@ -67,11 +67,6 @@ class SamplingRows:
                    min_p=t[4].float(), seed=ids.to(device, non_blocking=True),
                    restricts=any(p.top_k > 0 or p.top_p < 1.0 for p in params), floors=any(p.min_p > 0 for p in params))
 
-    def take(self, idx: torch.Tensor) -> SamplingRows:
-        """The rows `idx` ([M] long, device) of these."""
-        return SamplingRows(self.greedy[idx], self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                            self.min_p[idx], self.seed[idx], self.restricts, self.floors)
-
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], history: Seq[History] | None) -> torch.Tensor:
     """Rows whose params adjust logits, in this order (the other rows unchanged, no copy when none does):
