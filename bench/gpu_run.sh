@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 pack() { tar -czf "$RESULT/gpu-run.tgz" -C "$OUT" . ; }
 # pytest-xdist, where installed, runs the GPU suite in 4 workers (most of its time is Triton compiling)
 XDIST=""
-python3 -c "import xdist" 2>/dev/null && XDIST="-n 4 --dist loadfile"
+python3 -c "import xdist" 2>/dev/null && XDIST="-n ${TESTS_WORKERS:-4} --dist ${TESTS_DIST:-worksteal}"
 export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
@@ -39,8 +39,8 @@ for step in $STEPS; do
       if [ -s "$OUT/best.json" ]; then KERNEL_SETTINGS=$(cat "$OUT/best.json"); fi
       echo "kernel settings: $KERNEL_SETTINGS" ;;
     tests)  # every gpu-marked engine test (the open-loop stress suite's CUDA backend and the 1B/8B shapes included);
-      # TESTS_K narrows it to a pytest -k expression
-      timeout 420 python3 -m pytest -m gpu tests/engine_ext -q -p no:cacheprovider $XDIST ${TESTS_K:+-k "$TESTS_K"} \
+      # TESTS_K narrows it to a pytest -k expression, TESTS_TIMEOUT bounds it (s)
+      timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/engine_ext -q -p no:cacheprovider --durations=15 $XDIST ${TESTS_K:+-k "$TESTS_K"} \
         >"$OUT/gpu_tests.log" 2>&1
       echo "tests rc $?: $(tail -1 "$OUT/gpu_tests.log")" ;;
     server)  # the replica's server class from a GPU app config against bench/decode.py's engine figure (issue 16);

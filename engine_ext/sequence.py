@@ -45,6 +45,8 @@ class Sequence:
     seed: int = 0  # the key of its sampling noise: params.seed, or drawn by the engine when it arrived
     text: str = ""
     text_is_final: bool = False  # set when a stop string cut the text
+    decoder: Any = field(default=None, repr=False)  # its incremental detokenizer (output_processor.py), if any
+    num_stop_checked: int = 0  # characters of text already searched for stop strings (incremental decoding)
     num_emitted_tokens: int = 0  # tokens already handed to the caller
     num_emitted_chars: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)  # only with params.return_logits
@@ -100,7 +102,10 @@ class Sequence:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
+    # The sequence's own list of generated tokens (it only grows), read up to num_token_ids: `token_ids` is every
+    # token generated up to this output, without a copy per output
+    output_token_ids: list[int] = field(repr=False)
+    num_token_ids: int
     text: str
     new_token_ids: list[int]  # generated since the previous output of this request
     delta_text: str
@@ -110,6 +115,11 @@ class RequestOutput:
     logits: torch.Tensor | None = None  # [len(token_ids), vocab] with params.return_logits
     new_logprobs: list[TokenLogprobs] | None = None  # with params.logprobs: one per new_token_ids entry
     logprobs: list[TokenLogprobs] | None = None  # with params.logprobs, on the finished output: one per token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token generated up to this output."""
+        return self.output_token_ids[: self.num_token_ids]
 
     @property
     def num_prompt_tokens(self) -> int:
