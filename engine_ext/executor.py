@@ -91,36 +91,47 @@ class StepExecutor:
     def _plain(self, seqs: list[Sequence], carry: Flight | None) -> Flight:
         """A plain step: every row in one adapter-on forward, one token each (its plan is trivial: row r's one entry
         draws buffer index r, from its last token or its prompt), so its work is built straight from the rows."""
-        work, src, params, seeds = [], [], [], []
-        lora_slot, shifts = self.slots.lora_slot, carry.shift if carry is not None else None
-        for seq in seqs:
+        work, src, special = [], [], []
+        lora_slot = self.slots.lora_slot
+        shifts = carry.shift if carry is not None else None
+        for r, seq in enumerate(seqs):
             slot = lora_slot(seq.adapter)
-            if seq.is_prefill:
+            n = seq.num_tokens
+            if n - seq.num_computed > 1:  # a prompt (or a preempted sequence's recompute)
                 w = seq.work(slot)
                 src += [-1] * len(w.token_ids)
-                seq.num_computed = seq.num_tokens  # queued: its prompt's KV is written before any later read
-            elif carry is not None and seq.flight is carry:
+                seq.num_computed = n  # queued: its prompt's KV is written before any later read
+            elif seq.flight is carry and carry is not None:
                 row, (lo, hi) = seq.flight_row, seq.pending
                 src.append(row)
-                w = SeqWork([0], seq.num_tokens - 1 + lo, seq.block_table, slot, 1,
-                            row if shifts is not None else -1, hi - lo)
+                w = SeqWork([0], n - 1 + lo, seq.block_table, slot, 1, row if shifts is not None else -1, hi - lo)
             else:
                 src.append(-1)
-                w = SeqWork([seq.last_token], seq.num_tokens - 1, seq.block_table, slot)
+                w = SeqWork([seq.last_token], n - 1, seq.block_table, slot)
             work.append(w)
-            params.append(seq.params)
-            seeds.append(seq.seed)
+            if not seq.plain_row:
+                special.append(r)
         logits, positions = self.runner.launch(
             work, self.slots, use_lora=any(s.adapter is not None for s in seqs), owned=False, shifts=shifts,
             tokens=carry.last if carry is not None else None, token_src=src if carry is not None else None)
-        kept = {r: logits[r].float().clone() for r, s in enumerate(seqs) if s.params.needs_rows}
-        rows = SamplingRows.pack(params, seeds, self.device)
-        tokens = sample(adjust_logits(logits, params, seqs), rows, None if rows is None else positions + 1)
+        kept, adjusts = {}, False
+        if special:  # rows that sample, adjust their logits or return them (else every row is an argmax)
+            params = [s.params for s in seqs]
+            kept = {r: logits[r].float().clone() for r in special if params[r].needs_rows}
+            adjusts = any(seqs[r].adjusts_logits for r in special)
+            rows = SamplingRows.pack(params, [s.seed for s in seqs], self.device)
+            tokens = sample(adjust_logits(logits, params, seqs) if adjusts else logits, rows,
+                            None if rows is None else positions + 1)
+        else:
+            tokens = logits.argmax(dim=-1)
         host, ready = self._to_host(tokens)
         n = len(seqs)
         ones = [1] * n  # (a plain step is priced by its whole time, not by its forward's span: no marks)
-        return self._rows(Flight(list(seqs), None, ones, ones, tokens, None, host[:, None], ready, [], [], kept,
-                                 [0] * n, commits=[[r] for r in range(n)], counted=False))
+        flight = Flight(list(seqs), None, ones, ones, tokens, None, host[:, None], ready, [], [], kept, [0] * n,
+                        commits=[[r] for r in range(n)], counted=False, adjusts=adjusts)
+        for r, seq in enumerate(seqs):  # every row commits its one token: the next step starts after it
+            seq.flight, seq.flight_row, seq.pending = flight, r, (1, 1)
+        return flight
 
     def _forward(self, fwd: Forward, run: _Run, plan: StepPlan) -> None:
         """Queue one forward and draw its logits rows into the buffer at fwd.out."""
@@ -240,7 +251,8 @@ class StepExecutor:
         lo = [len(f) + (len(v) > 0) for f, v in zip(plan.fixed, plan.verified)]
         return self._rows(Flight(run.seqs, plan, lo, [len(o) for o in commits], last, shift, host, ready, run.marks,
                                  run.passes, run.kept, [int(r in run.published) for r in range(len(run.seqs))],
-                                 drafts=[len(d) for d in plan.drafts], commits=commits))
+                                 drafts=[len(d) for d in plan.drafts], commits=commits,
+                                 adjusts=any(s.adjusts_logits for s in run.seqs)))
 
     def _to_host(self, result: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A host copy of `result` (pinned, queued after everything before it) and the event that says it landed."""

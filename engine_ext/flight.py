@@ -38,6 +38,7 @@ class Flight:
     drafts: list[int] | None = None  # per row: tokens it drafted (for the acceptance estimates); None: none
     commits: list[list[int]] = field(default_factory=list)  # per row: token buffer indices in commit order
     counted: bool = True  # `host` ends with each row's count (else every row commits exactly lo)
+    adjusts: bool = True  # some row's logits are adjusted from its history (penalties, bias): read before planning
 
     def pending(self, r: int) -> tuple[int, int]:
         """(at least, at most) the tokens row r commits when read, beyond those committed early (`published`)."""

@@ -191,7 +191,8 @@ class LLMEngine:
         start = time.perf_counter()
         self._fail_orphans()
         outputs = []
-        if self._flight is not None and any(s.params.adjusts_logits and not s.ended for s in self._flight.seqs):
+        if self._flight is not None and self._flight.adjusts and any(s.adjusts_logits and not s.ended
+                                                                     for s in self._flight.seqs):
             outputs = self._read(None)
         batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
         if batch.wait:  # memory is short for the queued step's most: read it first
@@ -277,11 +278,13 @@ class LLMEngine:
         """Commit a row's tokens in order, up to where the sequence ends; then hand it back to the scheduler if it
         ended, or else mark its KV final up to its last token and give back drafting room nothing will write.
         rows: each token's logits row, where kept (None: none kept)."""
-        usage = self.counters.usage(seq.adapter)
-        for i, token in enumerate(tokens if not seq.ended else ()):  # (one that ended on an early first token)
-            usage.tokens += 1
-            if self.outputs.append(seq, token, None if rows is None else rows[i]):
-                break
+        if not seq.ended:  # (one that ended on an early first token commits nothing more)
+            append, n = self.outputs.append, 0
+            for token in tokens:
+                n += 1
+                if append(seq, token, None if rows is None else rows[n - 1]):
+                    break
+            self.counters.usage(seq.adapter).tokens += n
         if seq.ended:
             self.scheduler.finish(seq)
         elif seq.status is SeqStatus.RUNNING:
@@ -315,8 +318,11 @@ class LLMEngine:
 
     def _emit(self, touched: list[Sequence]) -> list[RequestOutput]:
         """Outputs of the sequences a read touched and of those that finished (aborts included)."""
-        outs, seen = [], set()
         finished, self.scheduler.finished = self.scheduler.finished, []
+        if not finished:  # (a touched sequence that ended is among the finished: these are each once, running)
+            output = self.outputs.output
+            return [output(seq, False) for seq in touched]
+        outs, seen = [], set()
         for seq in touched + finished:
             if seq.request_id in seen:
                 continue

@@ -109,19 +109,23 @@ class Scheduler:
         stepping = sorted((s for s in self.running.values() if self._steps(s, max_model_len)),
                           key=lambda s: s.arrival)
         size = self.blocks.block_size
-        needs = [seq.num_tokens + seq.pending[1] + lookahead for seq in stepping]
-        short = sum(max(0, -(-n // size) - len(s.block_table)) for s, n in zip(stepping, needs)) > self.blocks.num_free
-        if short and any(s.pending[1] for s in stepping):
+        grow, short = [], 0  # the sequences whose blocks do not hold what this step may write, and the blocks missing
+        for seq in stepping:
+            need = seq.num_tokens + seq.pending[1] + lookahead
+            extra = -(-need // size) - len(seq.block_table)
+            if extra > 0:
+                grow.append((seq, need))
+                short += extra
+        if short > self.blocks.num_free and any(s.pending[1] for s in stepping):
             batch.wait = True
             return batch
-        for seq, need in zip(stepping, needs):
-            if seq.status is SeqStatus.RUNNING and -(-need // size) > len(seq.block_table):
+        for seq, need in grow:
+            if seq.status is SeqStatus.RUNNING:  # (not preempted for an older one's room)
                 self.ensure_room(seq, need)
-        # Grouped by adapter (arrival order within one): the LoRA kernels multiply a run of tokens sharing an
-        # adapter as one tile, so a grouped batch reads each adapter's weights once per run rather than once per
-        # token (5-9% of a 128-sequence step at the 1B shape, bench/RESULTS.md section 1).
-        batch.seqs = sorted((s for s in stepping if s.status is SeqStatus.RUNNING),
-                            key=lambda s: (s.adapter or "", s.arrival))
+        # Grouped by adapter (arrival order within one, the sort being stable): the LoRA kernels multiply a run of
+        # tokens sharing an adapter as one tile, so a grouped batch reads each adapter's weights once per run rather
+        # than once per token (5-9% of a 128-sequence step at the 1B shape, bench/RESULTS.md section 1).
+        batch.seqs = sorted((s for s in stepping if s.status is SeqStatus.RUNNING), key=lambda s: s.adapter or "")
         batch.num_preempted = self.num_preemptions - preempted_before
         if batch.num_preempted:
             return batch  # memory is tight: let the running ones progress before admitting more

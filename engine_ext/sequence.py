@@ -61,6 +61,12 @@ class Sequence:
     flight_row: int = -1
     pending: tuple[int, int] = (0, 0)
 
+    def __post_init__(self) -> None:
+        # Its parameters' per-row needs, read by every step (params do not change once a request is in)
+        p = self.params
+        self.adjusts_logits = p.adjusts_logits
+        self.plain_row = p.temperature == 0 and not p.needs_rows and not self.adjusts_logits  # argmax, nothing kept
+
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
