@@ -5,10 +5,13 @@ outputs), which the device's step must cover for the device never to wait. Also 
 the measured steps (count and milliseconds per generation), the slowest step, and what one full collection costs
 after them (the pause the engine thread takes whenever the interpreter runs one: rare, but it stalls every stream);
 `--gc freeze` first collects and freezes the start-up heap, as an LLM replica does once ready (AppConfig.gc_freeze).
+`--stub-forward` replaces the model's forward with one that returns fixed logits at once, so a step's time is its host
+work alone (the CPU's element-wise ops outside the forward included), and `--base-only` sends no adapter requests.
 Prints one JSON object per mode.
 
     python bench/host_time.py --batch 128 --modes plain forced gated
     python bench/host_time.py --modes forced --gc default freeze
+    python bench/host_time.py --modes plain --gc freeze --stub-forward [--base-only]
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--modes", nargs="+", default=["plain", "forced", "gated"], choices=["plain", "forced", "gated"])
     ap.add_argument("--gc", nargs="+", default=["default"], choices=["default", "freeze"])
+    ap.add_argument("--stub-forward", action="store_true", help="fixed logits instead of the model's forward")
+    ap.add_argument("--base-only", action="store_true", help="every request base-only")
     args = ap.parse_args()
 
     import torch
@@ -47,7 +52,7 @@ def main() -> None:
     model = build_model("llama", os.path.join(work, "m"), max_position_embeddings=1024)
     adapters = {f"a{i}": build_adapter(model, os.path.join(work, f"a{i}"), seed=i, r=8, target_modules=ALL, std=0.0)
                 for i in range(args.adapters)}  # std 0: every draft is accepted, every cycle runs k passes
-    names = list(adapters) + [None, None]
+    names = [None] if args.base_only else list(adapters) + [None, None]
     collections: dict[int, list] = {}
     began: list[float] = []
 
@@ -74,9 +79,14 @@ def main() -> None:
         forward = [0.0]
         run = engine.runner.model.forward
 
+        vocab, fixed = engine.runner.spec.vocab_size, {}
+
         def timed(*a, **kw):
             start = time.perf_counter()
-            out = run(*a, **kw)
+            if args.stub_forward:  # the logits rows asked for (a[3]: the logits indices), zeros
+                out = fixed.setdefault(a[3].shape[0], torch.zeros(a[3].shape[0], vocab))
+            else:
+                out = run(*a, **kw)
             forward[0] += time.perf_counter() - start
             return out
 
