@@ -24,12 +24,13 @@ from .lora_adapter import AdapterError
 from .model_config import load_model_spec
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .prefix_cache import root_hash
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence, SeqStatus
 from .speculation import Gate, NoSpeculation, Plan, StepResult
 from .speculation.cycle import prompt_row, rows_for
-from .stats import EngineStats
+from .stats import EngineStats, PrefixCacheStats
 from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,11 +63,12 @@ class LLMEngine:
         self.lookahead = config.speculative.num_draft_tokens if config.speculative else 0
         self.runner = ModelRunner(config, self.spec, self.device, max_model_len=self.max_model_len,
                                   lookahead=2 * self.lookahead + 1)
-        self.counters = EngineStats()
+        self.counters = EngineStats(prefix_cache=PrefixCacheStats() if config.enable_prefix_caching else None)
         self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, config.torch_dtype, self.device, self.counters)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.counters.prefix_cache)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -93,9 +95,19 @@ class LLMEngine:
 
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter: waiting requests for it end with "abort"; running ones finish on it, and its
-        device slot is freed as soon as none uses it (at once when idle)."""
+        device slot is freed as soon as none uses it (at once when idle). Its prefix-cache blocks are dropped (a
+        name added again later is another version)."""
+        version = self.adapters.versions.get(name)
         self.adapters.remove(name)
+        if version is not None:
+            self.blocks.drop(root_hash(name, version))
         self._fail_orphans()
+
+    def drop_cached_prefixes(self, name: str) -> int:
+        """Drop the prefix-cache blocks of the adapter `name` as registered now (a version withdrawn from serving);
+        its requests from now on cache nothing. -> blocks dropped."""
+        version = self.adapters.versions.get(name)
+        return 0 if version is None else self.blocks.drop(root_hash(name, version))
 
     def has_adapter(self, name: str) -> bool:
         return self.adapters.known(name)
@@ -149,6 +161,8 @@ class LLMEngine:
         source = self.seqs.get(share_prompt_with) if share_prompt_with is not None else None
         if source is not None and source.prompt_token_ids == prompt_token_ids and source.adapter == adapter_name:
             seq.prompt_source = source
+        if self.config.enable_prefix_caching:
+            seq.cache_root = root_hash(adapter_name, self.adapters.versions.get(adapter_name, 0))
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -171,6 +185,7 @@ class LLMEngine:
         for seq in self.seqs.values():
             seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
         self.seqs.clear()
+        self.blocks.clear()  # after a failed step nothing on the device is trusted, cached KV included
         self.scheduler.finished.clear()
         return ids
 
@@ -282,12 +297,13 @@ class LLMEngine:
             usage.tokens += 1
             if self.outputs.append(seq, token, None if rows is None else rows[i]):
                 break
+        if seq.status is SeqStatus.RUNNING:  # (not preempted while the step ran: its blocks hold this KV)
+            seq.num_computed = seq.num_tokens - 1
+            self.scheduler.cache_final(seq)  # before a finish frees them: a next turn resends this text
         if seq.ended:
             self.scheduler.finish(seq)
-        elif seq.status is SeqStatus.RUNNING:
-            seq.num_computed = seq.num_tokens - 1
-            if seq.flight is None:
-                self.blocks.truncate(seq.block_table, seq.num_tokens)
+        elif seq.status is SeqStatus.RUNNING and seq.flight is None:
+            self.blocks.truncate(seq.block_table, seq.num_tokens)
 
     def set_speculation(self, spec: SpecConfig | None) -> None:
         """Switch speculative drafting on (a fresh gate: nothing measured yet) or off (None). Its draft length
@@ -348,10 +364,14 @@ class LLMEngine:
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         """The engine's counters (EngineStats) and its gauges, as plain data."""
-        return self.counters.snapshot(self.gate.estimates()) | {
+        out = self.counters.snapshot(self.gate.estimates())
+        if "prefix_cache" in out:
+            out["prefix_cache"] |= {"cached_blocks": self.blocks.num_cached, "evictions": self.blocks.evictions}
+        return out | {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_kv_blocks": self.blocks.num_free,
+            "cached_kv_blocks": self.blocks.num_cached,
             "total_kv_blocks": self.blocks.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "startup": dict(self.startup),  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
