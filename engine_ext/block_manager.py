@@ -120,10 +120,11 @@ class BlockManager:
             block_table.append(block)
         self.peak_used = max(self.peak_used, self.num_blocks - self.num_free)
 
-    def drop(self, root: bytes) -> int:
-        """Forget every cached block of `root` and file none of it again: cached ones become free, held ones plain
-        blocks of their holders. -> blocks forgotten."""
-        self._retired.add(root)
+    def drop(self, root: bytes, retire: bool = True) -> int:
+        """Forget every cached block of `root`: cached ones become free, held ones plain blocks of their holders.
+        `retire`: file none of it again (its weights are gone for good). -> blocks forgotten."""
+        if retire:
+            self._retired.add(root)
         blocks = list(self._roots.get(root, ()))
         for block in blocks:
             self._unregister(block)
@@ -135,8 +136,7 @@ class BlockManager:
     def clear(self) -> None:
         """Forget every cached block (roots stay usable)."""
         for root in list(self._roots):
-            self.drop(root)
-        self._retired.clear()
+            self.drop(root, retire=False)
 
     def _evict(self) -> int:
         block, _ = self._cached.popitem(last=False)

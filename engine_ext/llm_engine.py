@@ -104,10 +104,10 @@ class LLMEngine:
         self._fail_orphans()
 
     def drop_cached_prefixes(self, name: str) -> int:
-        """Drop the prefix-cache blocks of the adapter `name` as registered now (a version withdrawn from serving);
-        its requests from now on cache nothing. -> blocks dropped."""
+        """Drop the prefix-cache blocks of the adapter `name` (a version withdrawn from serving: its blocks would only
+        wait for eviction). It stays registered, and its later requests cache again. -> blocks dropped."""
         version = self.adapters.versions.get(name)
-        return 0 if version is None else self.blocks.drop(root_hash(name, version))
+        return 0 if version is None else self.blocks.drop(root_hash(name, version), retire=False)
 
     def has_adapter(self, name: str) -> bool:
         return self.adapters.known(name)

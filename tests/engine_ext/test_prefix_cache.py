@@ -252,3 +252,14 @@ def test_chain_hashes_depend_on_adapter_version_tokens_and_parent():
     partial = chain(a1, t[:4])
     chain_hashes(partial, a1, t, 4, 2)  # extended where it left off
     assert partial == chain(a1, t)
+
+
+def test_a_withdrawn_version_drops_its_blocks_and_caches_again_when_served_again(setup):
+    engine = _engine(setup, True)
+    _run(engine, [("x", PREFIX + [50], "a"), ("y", PREFIX + [50], "b")])
+    b_blocks = engine.blocks.num_cached // 2
+    assert engine.drop_cached_prefixes("a") == b_blocks and engine.drop_cached_prefixes("nope") == 0
+    _run(engine, [("x2", PREFIX + [51], "a")])
+    assert _hits(engine, "a") == 0 and _hits(engine, "b") == 0
+    _run(engine, [("x3", PREFIX + [52], "a")])  # still registered: it cached again
+    assert _hits(engine, "a") == 9 * BS
