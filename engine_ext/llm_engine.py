@@ -63,12 +63,12 @@ class LLMEngine:
         self.lookahead = config.speculative.num_draft_tokens if config.speculative else 0
         self.runner = ModelRunner(config, self.spec, self.device, max_model_len=self.max_model_len,
                                   lookahead=2 * self.lookahead + 1)
-        self.counters = EngineStats(prefix_cache=PrefixCacheStats() if config.enable_prefix_caching else None)
+        self.counters = EngineStats()
         self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, config.torch_dtype, self.device, self.counters)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.counters.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
+        self.set_prefix_caching(config.enable_prefix_caching)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -161,7 +161,7 @@ class LLMEngine:
         source = self.seqs.get(share_prompt_with) if share_prompt_with is not None else None
         if source is not None and source.prompt_token_ids == prompt_token_ids and source.adapter == adapter_name:
             seq.prompt_source = source
-        if self.config.enable_prefix_caching:
+        if self.counters.prefix_cache is not None:
             seq.cache_root = root_hash(adapter_name, self.adapters.versions.get(adapter_name, 0))
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self.seqs[request_id] = seq
@@ -317,6 +317,13 @@ class LLMEngine:
         self.executor = StepExecutor(self.runner, self.adapters.slots, self.config.max_num_seqs, self.lookahead,
                                      self.config.max_graph_tokens if self.config.cuda_graphs else None,
                                      self.counters.spec)
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Prefix caching on (fresh counters) or off for requests added from now on (EngineConfig's setting at start;
+        a benchmark compares both on one engine). Either way every cached block is dropped: a run starts cold."""
+        self.blocks.clear()
+        self.counters.prefix_cache = PrefixCacheStats() if enabled else None
+        self.scheduler.prefix_cache = self.counters.prefix_cache
 
     def _fail_orphans(self) -> None:
         """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""

@@ -34,8 +34,8 @@ class Scheduler:
     token budget and adapter slots allow. A request is admitted once its adapter's copy into a device
     slot has landed; at most one copy is issued per step, and none while another is in flight.
 
-    With prefix caching (sequences with a `cache_root`), a request admitted with an empty table first takes the
-    longest cached chain of its adapter version (`prefix_cache` counts the lookups), and `cache_final` files each
+    With prefix caching (`prefix_cache`, its counters; None: off), a request admitted with an empty table first takes
+    the longest cached chain of its adapter version (keyed by its `cache_root`), and `cache_final` files each
     running sequence's full blocks of final KV when the step that completed them is read."""
 
     def __init__(self, blocks: BlockManager, adapters: AdapterManager, max_num_seqs: int,
@@ -120,15 +120,14 @@ class Scheduler:
         self.blocks.take(hits, seq.block_table)
         seq.num_computed = len(hits) * self.blocks.block_size
         seq.num_cached_blocks = len(hits)
-        if self.prefix_cache is not None:
-            self.prefix_cache.observe(seq.adapter, seq.num_tokens, seq.num_computed)
+        self.prefix_cache.observe(seq.adapter, seq.num_tokens, seq.num_computed)
 
     def cache_final(self, seq: Sequence) -> None:
         """File a running sequence's full blocks below `num_computed` in the prefix cache. Called when the step that
         committed its tokens is read, not before: only then is their KV final (prefix_cache.py)."""
         size = self.blocks.block_size
         n = min(seq.num_computed // size, len(seq.block_table))
-        if seq.cache_root is None or n <= seq.num_cached_blocks:
+        if seq.cache_root is None or n <= seq.num_cached_blocks or self.prefix_cache is None:
             return
         chain_hashes(seq.block_hashes, seq.cache_root, seq.token_ids, size, n)
         for i in range(seq.num_cached_blocks, n):
@@ -187,7 +186,7 @@ class Scheduler:
             if seq.prompt_source is not None and not seq.block_table and not self._share_prompt(seq):
                 skipped.append(self.waiting.popleft())  # its source's prompt KV is not written yet
                 continue
-            lookup = seq.cache_root is not None and not seq.block_table
+            lookup = seq.cache_root is not None and not seq.block_table and self.prefix_cache is not None
             hits = self._cached_prefix(seq) if lookup else []
             need = seq.num_tokens - max(seq.num_computed, len(hits) * self.blocks.block_size)
             if need > budget and batch.seqs:

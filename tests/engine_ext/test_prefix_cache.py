@@ -263,3 +263,15 @@ def test_a_withdrawn_version_drops_its_blocks_and_caches_again_when_served_again
     assert _hits(engine, "a") == 0 and _hits(engine, "b") == 0
     _run(engine, [("x3", PREFIX + [52], "a")])  # still registered: it cached again
     assert _hits(engine, "a") == 9 * BS
+
+
+def test_switching_caching_off_and_on_starts_cold_and_counts_afresh(setup):
+    engine = _engine(setup, True)
+    _run(engine, [("x", PREFIX + [50], "a")])
+    engine.set_prefix_caching(False)
+    assert engine.blocks.num_cached == 0 and "prefix_cache" not in engine.stats()
+    _run(engine, [("y", PREFIX + [50], "a")])
+    assert engine.blocks.num_cached == 0  # off: nothing filed
+    engine.set_prefix_caching(True)
+    _run(engine, [("z", PREFIX + [50], "a")])
+    assert _hits(engine, "a") == 0 and engine.blocks.num_cached > 0
