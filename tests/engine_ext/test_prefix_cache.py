@@ -275,3 +275,28 @@ def test_switching_caching_off_and_on_starts_cold_and_counts_afresh(setup):
     engine.set_prefix_caching(True)
     _run(engine, [("z", PREFIX + [50], "a")])
     assert _hits(engine, "a") == 0 and engine.blocks.num_cached > 0
+
+
+def test_the_async_engine_drops_a_versions_blocks_between_steps(setup):
+    import asyncio
+
+    from engine_ext import AsyncLLMEngine
+
+    async def scenario(engine):
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        async for _ in engine.generate(prompt_token_ids=PREFIX + [50], sampling_params=params, adapter_name="a"):
+            pass
+        cached = engine.engine.blocks.num_cached
+        engine.drop_cached_prefixes("a")  # returns at once; the engine thread runs it
+        for _ in range(100):
+            if engine.engine.blocks.num_cached == 0:
+                break
+            await asyncio.sleep(0.02)
+        return cached, engine.engine.blocks.num_cached
+
+    engine = AsyncLLMEngine(EngineConfig(), engine=_engine(setup, True))
+    try:
+        cached, after = asyncio.run(scenario(engine))
+    finally:
+        engine.shutdown()
+    assert cached >= 9 and after == 0
