@@ -112,7 +112,8 @@ class Scheduler:
         if seq.cache_root is None or seq.block_table:
             return []
         n = (seq.num_tokens - 1) // self.blocks.block_size
-        chain_hashes(seq.block_hashes, seq.cache_root, seq.token_ids, self.blocks.block_size, n)
+        if len(seq.block_hashes) < n:  # (a request waiting for room is looked up again each step)
+            chain_hashes(seq.block_hashes, seq.cache_root, seq.token_ids, self.blocks.block_size, n)
         return self.blocks.lookup(seq.block_hashes[:n])
 
     def _take_prefix(self, seq: Sequence, hits: list[int]) -> None:

@@ -79,3 +79,13 @@ def test_the_ray_shell_sends_a_prefix_back_where_it_went_last():
         assert tiers[0][0].uid == target  # the last one sent this prefix
     bare = PendingRequest(args=[], kwargs={}, metadata=meta, future=None)
     assert request_fingerprint(bare) is None
+
+
+def test_the_benchmark_mix_repeats_long_prefixes_and_scores_where_they_went():
+    from bench.affinity_mix import prefix_mix, prefix_score
+
+    mix = prefix_mix(["a", "b"], 40, prefixes=3)
+    assert all(len(prompt) >= PREFIX_CHARS for _, prompt in mix)
+    assert len({(a, prefix_fingerprint(p)) for a, p in mix}) <= 6
+    results = [{"adapter": "a", "prefix": "p", "replica": r} for r in ("r0", "r0", "r1", "r0")]
+    assert prefix_score(results) == {"prefixes": 1, "prefix_routed_back": 2 / 3, "prefix_computations": 2}
