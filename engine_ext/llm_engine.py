@@ -323,7 +323,7 @@ class LLMEngine:
         a benchmark compares both on one engine). Either way every cached block is dropped: a run starts cold."""
         self.blocks.clear()
         self.counters.prefix_cache = PrefixCacheStats() if enabled else None
-        self.scheduler.prefix_cache = self.counters.prefix_cache
+        self.scheduler.use_prefix_cache(self.counters.prefix_cache)
 
     def _fail_orphans(self) -> None:
         """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""
@@ -378,7 +378,6 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_kv_blocks": self.blocks.num_free,
-            "cached_kv_blocks": self.blocks.num_cached,
             "total_kv_blocks": self.blocks.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "startup": dict(self.startup),  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s

@@ -106,11 +106,13 @@ class Scheduler:
             seq.num_computed = shared * self.blocks.block_size
         return True
 
+    def use_prefix_cache(self, counters: PrefixCacheStats | None) -> None:
+        """Prefix caching on, counting lookups into `counters`, or off (None): no lookups, nothing filed."""
+        self.prefix_cache = counters
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a sequence with an empty table can take: the longest cached chain of its adapter version
         over its full blocks but the one with its last token (computed again: its logits start the output)."""
-        if seq.cache_root is None or seq.block_table:
-            return []
         n = (seq.num_tokens - 1) // self.blocks.block_size
         if len(seq.block_hashes) < n:  # (a request waiting for room is looked up again each step)
             chain_hashes(seq.block_hashes, seq.cache_root, seq.token_ids, self.blocks.block_size, n)
