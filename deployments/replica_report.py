@@ -65,5 +65,6 @@ def replica_report(stats: dict[str, Any], seq: int, keys: Iterable[str], host_ad
         if prefix is not None:  # (a key with no lookup yet counts zero)
             for key in keys:
                 looked = prefix_adapters.get(key, {})
-                out["adapters"][key] |= {"prefix_queries": looked.get("queries", 0), "prefix_hits": looked.get("hits", 0)}
+                out["adapters"][key] |= {"prefix_queries": looked.get("queries", 0),
+                                         "prefix_hits": looked.get("hits", 0)}
     return out

@@ -43,11 +43,3 @@ def chain_hashes(hashes: list[bytes], root: bytes, token_ids: list[int], block_s
         parent = hashlib.sha256(parent + block.tobytes()).digest()
         hashes.append(parent)
 
-
-def fingerprint(token_ids: list[int], block_size: int, num_blocks: int = 4) -> str | None:
-    """A cheap routing fingerprint of a prompt's prefix: its first `num_blocks` full blocks (fewer for a shorter
-    prompt; None when it has no full block). Requests that share it most likely share cached blocks."""
-    n = min(num_blocks, len(token_ids) // block_size) * block_size
-    if not n:
-        return None
-    return hashlib.blake2b(array("q", token_ids[:n]).tobytes(), digest_size=8).hexdigest()
