@@ -10,7 +10,7 @@ from typing import Iterable
 
 import httpx
 
-__all__ = ["zipf_mix", "send_mix", "score"]
+__all__ = ["zipf_mix", "prefix_mix", "send_mix", "score", "prefix_score"]
 
 
 def zipf_mix(adapters: list[str], n: int, s: float = 1.1, seed: int = 0) -> list[str]:
@@ -19,9 +19,23 @@ def zipf_mix(adapters: list[str], n: int, s: float = 1.1, seed: int = 0) -> list
     return random.Random(seed).choices(adapters, weights=weights, k=n)
 
 
-async def send_mix(base_url: str, key: str, mix: Iterable[str], concurrency: int = 4,
+def prefix_mix(adapters: list[str], n: int, prefixes: int, s: float = 1.1, seed: int = 0) -> list[tuple[str, str]]:
+    """`n` (adapter, prompt) pairs: adapters as `zipf_mix`, each request one of its adapter's `prefixes` system
+    prompts (~700 characters, ~10 KV blocks of the demo model: long enough for the ingress's fingerprint) drawn
+    uniformly, then a question of its own."""
+    rng = random.Random(seed + 1)
+    mix = []
+    for i, adapter in enumerate(zipf_mix(adapters, n, s, seed)):
+        k = rng.randrange(prefixes)
+        system = f"System prompt {k} of {adapter}: you answer questions about topic {k} tersely. " * 9
+        mix.append((adapter, f"{system}\nQuestion {i}: what is {rng.randrange(1000)}?\nAnswer:"))
+    return mix
+
+
+async def send_mix(base_url: str, key: str, mix: Iterable[str | tuple[str, str]], concurrency: int = 4,
                    max_tokens: int = 2) -> list[dict]:
-    """POST one completion per entry; -> [{adapter, replica, hit, status}] in completion order."""
+    """POST one completion per entry (an adapter, prompt "def ", or an (adapter, prompt) pair);
+    -> [{adapter, prefix, replica, hit, status}] in completion order (prefix: the prompt's first line)."""
     queue: asyncio.Queue = asyncio.Queue()
     for adapter in mix:
         queue.put_nowait(adapter)
@@ -30,10 +44,11 @@ async def send_mix(base_url: str, key: str, mix: Iterable[str], concurrency: int
                                  headers={"Authorization": f"Bearer {key}"}) as http:
         async def worker() -> None:
             while not queue.empty():
-                adapter = queue.get_nowait()
-                r = await http.post("/v1/completions", json={"model": adapter, "prompt": "def ",
+                entry = queue.get_nowait()
+                adapter, prompt = (entry, "def ") if isinstance(entry, str) else entry
+                r = await http.post("/v1/completions", json={"model": adapter, "prompt": prompt,
                                                              "max_tokens": max_tokens, "temperature": 0})
-                results.append({"adapter": adapter, "status": r.status_code,
+                results.append({"adapter": adapter, "prefix": prompt.split("\n")[0], "status": r.status_code,
                                 "replica": r.headers.get("x-loraserve-replica"),
                                 "hit": r.headers.get("x-loraserve-adapter-hit") == "1"})
 
@@ -63,3 +78,18 @@ def score(results: list[dict], hot: int = 2) -> dict:
         "replicas_used": len({r["replica"] for r in results}),
         "loads": len({(r["adapter"], r["replica"]) for r in results}),
     }
+
+
+def prefix_score(results: list[dict]) -> dict:
+    """How often a request whose (adapter, prefix) was served before went to a replica that had served it (where its
+    KV may be cached), each pair's first request left out."""
+    served: dict[tuple[str, str], set] = defaultdict(set)
+    counted = back = 0
+    for r in results:
+        pair = (r["adapter"], r["prefix"])
+        if served[pair]:
+            counted += 1
+            back += r["replica"] in served[pair]
+        served[pair].add(r["replica"])
+    return {"prefixes": len(served), "prefix_routed_back": back / counted if counted else 0.0,
+            "prefix_computations": sum(len(v) for v in served.values())}

@@ -78,6 +78,16 @@ for step in $STEPS; do
       timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null
       echo "load8b rc $?"; grep '^run ' "$OUT/load8b.log" ;;
+    prefix)  # issue 29: shared-prefix chat traffic (20 adapters, 1,000-token system prompts, 3-turn sessions) and its
+      # unshared control, prefix caching off and on, on one engine per shape (PREFIX_SHAPES; PREFIX_SESSIONS, PREFIX_RATE_1B/_8B sessions a second)
+      for shape in ${PREFIX_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
+        case $shape in *8b) rate=${PREFIX_RATE_8B:-2} sessions=30 limit=140 ;; *) rate=${PREFIX_RATE_1B:-4} sessions=40 limit=100 ;; esac
+        timeout $limit python3 bench/prefix_load.py --shape $shape --adapters 20 --system-len 1000 \
+          --sessions ${PREFIX_SESSIONS:-$sessions} --turns 3 --session-rate $rate --think-s 1 \
+          --out "$OUT/prefix-$shape.json" 2>"$OUT/prefix-$shape.log" >/dev/null
+        echo "prefix $shape rc $?"; grep '^compare\|^run\|Error' "$OUT/prefix-$shape.log"
+        pack
+      done ;;
     coldstart)  # 300 requests at 10/s right after start-up from an empty Triton cache, then again with it filled
       for spec in 0 4; do
         rm -rf "/tmp/triton-cache-$spec"

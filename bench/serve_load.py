@@ -271,6 +271,23 @@ def compare(runs: list[dict]) -> list[dict]:
     return out
 
 
+def engine_config(model_dir: str, device: str, num_adapters: int, max_loras: int, rank: int, max_rank: int, spec,
+                  compile_cache: str | None = None, debug_checks: bool = False, **fields):
+    """The benchmarks' engine: on a GPU the serving fast path (Triton kernels, CUDA graphs up to EngineConfig's
+    default size: a full batch's verify pass, what a deployment gets) with 24 GiB of KV; on a CPU the plain-torch
+    kernels with 4096 KV blocks. `fields`: more EngineConfig fields."""
+    from engine_ext import EngineConfig
+
+    gpu = device.startswith("cuda")
+    fast = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
+                kv_cache_memory_gb=24) if gpu else dict(num_kv_blocks=4096)
+    sizes = dict(max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=2048)
+    return EngineConfig(model=model_dir, device=device, dtype="bfloat16" if gpu else "float32",
+                        max_loras=max_loras, max_lora_rank=max(max_rank, rank), max_cpu_loras=max(64, num_adapters),
+                        speculative=spec, compile_cache_dir=compile_cache, debug_checks=debug_checks,
+                        **(fast | sizes | fields))
+
+
 def _cache_entries(path: str | None) -> int | None:
     return len(os.listdir(path)) if path and os.path.isdir(path) else None
 
@@ -315,20 +332,15 @@ def main() -> None:
     import torch
 
     from bench.common import SHAPES, machine
-    from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+    from engine_ext import LLMEngine, SamplingParams, SpecConfig
 
     gpu = args.device.startswith("cuda")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu, MIXES[args.mix])
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
-    # graphs up to EngineConfig's default size: a full batch's verify pass (what a deployment gets)
-    fast = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
-                kv_cache_memory_gb=24) if gpu else dict(num_kv_blocks=4096)
-    cfg = EngineConfig(model=model_dir, device=args.device, dtype="bfloat16" if gpu else "float32",
-                       max_loras=args.max_loras, max_lora_rank=max(args.max_rank, args.rank), max_cpu_loras=max(64, args.adapters),
-                       max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=2048, speculative=spec,
-                       compile_cache_dir=args.compile_cache, debug_checks=args.debug_checks, **fast)
+    cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
+                        args.compile_cache, args.debug_checks)
     before = _cache_entries(args.compile_cache)
     engine = LLMEngine(cfg)
     for n, p in adapters.items():

@@ -6,7 +6,8 @@ config loads, so a typo or a bad value fails `serve run` before any replica star
 
 Profiles (`engine_profile`): on a CUDA device the fast path (Triton kernels for the LoRA op, attention and
 the fused layer ops, CUDA graphs, bfloat16); on a CPU the plain-torch kernels in float32. Both decode with
-speculative LoRA-off drafting, its gate deciding per step whether drafting pays. A field the user sets
+speculative LoRA-off drafting, its gate deciding per step whether drafting pays, and cache prompt KV per adapter
+version (`enable_prefix_caching`: chat traffic resends system prompts and histories). A field the user sets
 always wins over the profile.
 """
 
@@ -46,7 +47,7 @@ def engine_profile(device: str, explicit: Optional[Mapping[str, Any]] = None) ->
     """Default engine fields for `device`. `explicit`: the fields the user set, which the profile yields to
     where one default depends on another (CUDA graphs need the Triton attention)."""
     explicit = explicit or {}
-    profile: dict[str, Any] = {"speculative": dict(DEFAULT_SPECULATION)}
+    profile: dict[str, Any] = {"speculative": dict(DEFAULT_SPECULATION), "enable_prefix_caching": True}
     if not device.startswith("cuda"):
         return profile | {"dtype": "float32"}
     profile |= {"dtype": "bfloat16", "lora_backend": "triton", "attn_backend": "triton", "layer_ops": "triton"}

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from router.prefixes import prefix_fingerprint
+
 __all__ = ["GenerateRequest", "ReplicaUnavailable", "error_chunk"]
 
 
@@ -36,6 +38,9 @@ class GenerateRequest:
     submitted_at: float = 0.0  # ingress wall clock, for queue time
     labels: dict[str, str] = field(default_factory=dict)
     adapter_record: Any = None  # the registry's AdapterRecord the ingress resolved: the replica loads from it
+    # router.prefixes.prefix_fingerprint of the prompt (None: too short): the router prefers the replica that was last
+    # sent the same prefix for this adapter version, whose prefix cache likely holds it
+    prefix_fingerprint: Optional[str] = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages, self.prompts))
@@ -43,6 +48,9 @@ class GenerateRequest:
             raise ValueError("exactly one of prompt, prompt_token_ids, messages, prompts")
         if self.n < 1 or (self.prompts is not None and not self.prompts):
             raise ValueError("n >= 1 and at least one prompt")
+        if self.prefix_fingerprint is None:
+            head = self.messages if self.messages is not None else self.inputs()[0]
+            self.prefix_fingerprint = prefix_fingerprint(head)
 
     def inputs(self) -> list[Union[str, list[int]]]:
         """The completion prompts (text or token ids); chat requests have none (see `messages`)."""

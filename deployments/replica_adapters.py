@@ -97,7 +97,10 @@ class ReplicaAdapters:
     def retire(self, name: str, keep: frozenset[str] = frozenset()) -> None:
         """Withdraw every version of `name` but the keys in `keep`: no longer offered, evicted first."""
         versions = {k for k in self._withdrawn | set(self._engine.host_adapters()) if AdapterKey.family(k) == name}
-        self._withdrawn = {k for k in self._withdrawn if AdapterKey.family(k) != name} | (versions - keep)
+        withdrawn = versions - keep
+        for key in sorted(withdrawn - self._withdrawn):  # its cached prompt KV would only wait for eviction
+            self._engine.drop_cached_prefixes(key)
+        self._withdrawn = {k for k in self._withdrawn if AdapterKey.family(k) != name} | withdrawn
 
     # ---------------------------------------------------------------- views
     def known(self) -> list[str]:

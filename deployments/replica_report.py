@@ -21,6 +21,8 @@ ADAPTER_FIELDS = {"requests": "requests", "hits": "hits", "device_loads": "loads
                   "load_seconds": "disk_load_seconds", "tokens": "tokens", "acceptance_rate": "acceptance_rate",
                   "drafted_tokens": "drafted_tokens", "accepted_tokens": "accepted_tokens"}
 _SPEC_FIELDS = ("cycles", "plain_steps", "joined", "ridden_prompts", "paced_prompts")
+# report["prefix_cache"] fields: the engine's prefix-cache counters (lookups in tokens) and gauges
+_PREFIX_FIELDS = ("queries", "hits", "cached_blocks", "evictions")
 
 
 class EngineStatsReader:
@@ -51,9 +53,18 @@ def replica_report(stats: dict[str, Any], seq: int, keys: Iterable[str], host_ad
     spec = stats.get("speculative")
     if spec is not None:
         out["speculative"] = {k: spec.get(k) for k in _SPEC_FIELDS} | {"gate_decisions": dict(spec["gate_decisions"])}
+    prefix = stats.get("prefix_cache")
+    if prefix is not None:
+        out["prefix_cache"] = {k: prefix.get(k) for k in _PREFIX_FIELDS} | {"base": dict(prefix["base"])}
     engine_adapters = stats.get("adapters") or {}
+    prefix_adapters = (prefix or {}).get("adapters") or {}
     keys = list(keys)
     if keys:
         out["adapters"] = {key: {field: engine_adapters.get(key, {}).get(name) for field, name in ADAPTER_FIELDS.items()}
                            for key in keys}
+        if prefix is not None:  # (a key with no lookup yet counts zero)
+            for key in keys:
+                looked = prefix_adapters.get(key, {})
+                out["adapters"][key] |= {"prefix_queries": looked.get("queries", 0),
+                                         "prefix_hits": looked.get("hits", 0)}
     return out

@@ -8,6 +8,7 @@ The host cache is the one record of which adapters are parsed in host memory: a 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +41,10 @@ class AdapterManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-load")
         self.removals = 0  # bumps on every remove(), so the engine knows when to look for orphans
+        # name -> the registration its weights came from, unique over the engine's life: a name removed and added
+        # again (new weights) gets a new one, which keys its prefix-cache blocks apart from the old ones'
+        self.versions: dict[str, int] = {}
+        self._registrations = itertools.count(1)
 
     # ------------------------------------------------------------ registration (any thread)
     def add(self, name: str, path: str, pinned: bool = False) -> PackedAdapter:
@@ -54,6 +59,7 @@ class AdapterManager:
         packed = self._parse(name, path)
         with self._lock:
             self.paths[name] = path
+            self.versions[name] = next(self._registrations)
             self.stats.adapter(name)
             if pinned:
                 self.pinned.add(name)
@@ -63,6 +69,7 @@ class AdapterManager:
     def remove(self, name: str) -> None:
         with self._lock:
             self.paths.pop(name, None)
+            self.versions.pop(name, None)
             self.pinned.discard(name)
             self._host.pop(name, None)
             self.removals += 1

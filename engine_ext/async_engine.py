@@ -129,6 +129,11 @@ class AsyncLLMEngine:
         with self._lock:
             self.engine.remove_adapter(name)
 
+    def drop_cached_prefixes(self, name: str) -> None:
+        """Queued for the engine thread, which drops them between steps: the caller (an event loop) never waits
+        for a step to end."""
+        self._submit(lambda: self.engine.drop_cached_prefixes(name))
+
     def has_adapter(self, name: str) -> bool:
         return self.engine.has_adapter(name)
 

@@ -1,8 +1,9 @@
-"""KV-cache block allocation: a free list of fixed-size blocks and one block table per sequence."""
+"""KV-cache block allocation: a free list of fixed-size blocks, one block table per sequence, and (prefix caching)
+an index of full blocks whose KV is final, kept after their last holder lets them go until the room is needed."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -13,32 +14,53 @@ class BlockManager:
     """Predicate/action pairs: `can_allocate`/`allocate` reserve room for a sequence's tokens,
     `free` returns every block, `truncate` returns the blocks past a length (speculative rollback), `share`
     gives another sequence the leading blocks of a table (a prompt's KV, read and never written again): a
-    shared block goes back to the free list when its last holder lets it go."""
+    shared block goes back to the pool when its last holder lets it go.
+
+    Prefix caching (prefix_cache.py says which blocks qualify and how they are keyed): `register` files a held
+    full block under its chain hash; `lookup`/`take` find and hold the longest cached chain of a new sequence.
+    A registered block its last holder lets go is not free but *cached*: counted as free (any allocation may take
+    it, least recently released first, which drops it from the index), so the cache never refuses room to a
+    sequence nor makes the scheduler preempt one. `drop` forgets every block of one root (an adapter version)."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # blocks holding nothing anyone can find
         self._extra_refs: dict[int, int] = {}  # block -> holders beyond the first (shared blocks only)
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered blocks no table holds, LRU first
+        self._index: dict[bytes, int] = {}  # chain hash -> the block holding that KV
+        self._hash: dict[int, tuple[bytes, bytes]] = {}  # registered block -> (its chain hash, its root)
+        self._roots: dict[bytes, set[int]] = {}  # root -> its registered blocks
+        self._retired: set[bytes] = set()  # dropped roots: never registered again (their adapter version is gone)
+        self.evictions = 0  # cached blocks reused for other KV
         self.peak_used = 0  # high-water mark, for memory tests and stats
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and cached ones no sequence holds."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks, held or not."""
+        return len(self._index)
 
     def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(block_table))
 
-    def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
-        """Room to hold `num_tokens` positions in a sequence that already owns `block_table`."""
-        return self.blocks_needed(block_table, num_tokens) <= len(self._free)
+    def can_allocate(self, block_table: list[int], num_tokens: int, hits: list[int] = ()) -> bool:
+        """Room to hold `num_tokens` positions in a sequence that already owns `block_table` (plus the cached
+        blocks `hits` it is about to take, which then stop counting as free)."""
+        held = sum(b in self._cached for b in hits)
+        return self.blocks_needed(block_table, num_tokens) - len(hits) <= self.num_free - held
 
     def allocate(self, block_table: list[int], num_tokens: int) -> None:
         need = self.blocks_needed(block_table, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
-        block_table.extend(self._free.popleft() for _ in range(need))
-        self.peak_used = max(self.peak_used, self.num_blocks - len(self._free))
+        if need > self.num_free:
+            raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free} free")
+        for _ in range(need):
+            block_table.append(self._free.popleft() if self._free else self._evict())
+        self.peak_used = max(self.peak_used, self.num_blocks - self.num_free)
 
     def share(self, source: list[int], num_blocks: int, block_table: list[int]) -> None:
         """Append the first `num_blocks` blocks of `source` to an empty `block_table`, held by both."""
@@ -49,6 +71,8 @@ class BlockManager:
             block_table.append(block)
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Let go of the blocks past `num_tokens` positions, the last first: a cached chain released whole is then
+        evicted from its end, so its head (what more requests share) stays longest."""
         keep = blocks_for(num_tokens, self.block_size)
         while len(block_table) > keep:
             block = block_table.pop()
@@ -56,7 +80,74 @@ class BlockManager:
             if refs > 1:
                 self._extra_refs[block] = refs - 1
             elif refs == 0:
-                self._free.appendleft(block)
+                if block in self._hash:
+                    self._cached[block] = None
+                else:
+                    self._free.appendleft(block)
 
     def free(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
+
+    # ------------------------------------------------------------ prefix caching
+    def register(self, block: int, chain_hash: bytes, root: bytes) -> None:
+        """File a block some table holds, whose KV is final, under `chain_hash`. A hash already filed (the same
+        KV computed twice, or this block again) keeps its block, and a retired root files nothing."""
+        if chain_hash in self._index or block in self._hash or root in self._retired:
+            return
+        self._index[chain_hash] = block
+        self._hash[block] = (chain_hash, root)
+        self._roots.setdefault(root, set()).add(block)
+
+    def lookup(self, chain_hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest cached chain: the leading `chain_hashes` that are all filed (no side effect)."""
+        hits = []
+        for h in chain_hashes:
+            block = self._index.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def take(self, hits: list[int], block_table: list[int]) -> None:
+        """Hold the cached blocks `hits` (from `lookup`, this step) as the start of an empty `block_table`."""
+        if block_table:
+            raise ValueError("take fills an empty table")
+        for block in hits:
+            if block in self._cached:
+                del self._cached[block]  # its first holder again
+            else:
+                self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
+            block_table.append(block)
+        self.peak_used = max(self.peak_used, self.num_blocks - self.num_free)
+
+    def drop(self, root: bytes, retire: bool = True) -> int:
+        """Forget every cached block of `root`: cached ones become free, held ones plain blocks of their holders.
+        `retire`: file none of it again (its weights are gone for good). -> blocks forgotten."""
+        if retire:
+            self._retired.add(root)
+        blocks = list(self._roots.get(root, ()))
+        for block in blocks:
+            self._unregister(block)
+            if block in self._cached:
+                del self._cached[block]
+                self._free.append(block)
+        return len(blocks)
+
+    def clear(self) -> None:
+        """Forget every cached block (roots stay usable)."""
+        for root in list(self._roots):
+            self.drop(root, retire=False)
+
+    def _evict(self) -> int:
+        block, _ = self._cached.popitem(last=False)
+        self._unregister(block)
+        self.evictions += 1
+        return block
+
+    def _unregister(self, block: int) -> None:
+        chain_hash, root = self._hash.pop(block)
+        del self._index[chain_hash]
+        held = self._roots[root]
+        held.discard(block)
+        if not held:
+            del self._roots[root]

@@ -72,6 +72,10 @@ class EngineConfig:
     cuda_graphs: bool = False
     max_graph_tokens: int | None = None
     speculative: SpecConfig | None = None
+    # Keep the KV of full blocks of committed tokens after their request ends, keyed by (adapter, version, the
+    # tokens up to the block's end), and let a new request take the longest chain of its own adapter version
+    # instead of computing it (prefix_cache.py). Cached blocks no request holds give way to any allocation.
+    enable_prefix_caching: bool = False
     # Start-up: compile every kernel variant and capture every CUDA graph the engine can use before it
     # takes requests (ModelRunner.warm_up), so no request waits for a compile. Only the GPU kernels
     # compile; the plain-torch path has nothing to warm.

@@ -24,12 +24,13 @@ from .lora_adapter import AdapterError
 from .model_config import load_model_spec
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .prefix_cache import root_hash
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence, SeqStatus
 from .speculation import Gate, NoSpeculation, Plan, StepResult
 from .speculation.cycle import prompt_row, rows_for
-from .stats import EngineStats
+from .stats import EngineStats, PrefixCacheStats
 from .tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class LLMEngine:
                                        config.max_lora_rank, config.torch_dtype, self.device, self.counters)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
+        self.set_prefix_caching(config.enable_prefix_caching)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -93,9 +95,19 @@ class LLMEngine:
 
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter: waiting requests for it end with "abort"; running ones finish on it, and its
-        device slot is freed as soon as none uses it (at once when idle)."""
+        device slot is freed as soon as none uses it (at once when idle). Its prefix-cache blocks are dropped (a
+        name added again later is another version)."""
+        version = self.adapters.versions.get(name)
         self.adapters.remove(name)
+        if version is not None:
+            self.blocks.drop(root_hash(name, version))
         self._fail_orphans()
+
+    def drop_cached_prefixes(self, name: str) -> int:
+        """Drop the prefix-cache blocks of the adapter `name` (a version withdrawn from serving: its blocks would only
+        wait for eviction). It stays registered, and its later requests cache again. -> blocks dropped."""
+        version = self.adapters.versions.get(name)
+        return 0 if version is None else self.blocks.drop(root_hash(name, version), retire=False)
 
     def has_adapter(self, name: str) -> bool:
         return self.adapters.known(name)
@@ -149,6 +161,8 @@ class LLMEngine:
         source = self.seqs.get(share_prompt_with) if share_prompt_with is not None else None
         if source is not None and source.prompt_token_ids == prompt_token_ids and source.adapter == adapter_name:
             seq.prompt_source = source
+        if self.counters.prefix_cache is not None:
+            seq.cache_root = root_hash(adapter_name, self.adapters.versions.get(adapter_name, 0))
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -171,6 +185,7 @@ class LLMEngine:
         for seq in self.seqs.values():
             seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
         self.seqs.clear()
+        self.blocks.clear()  # after a failed step nothing on the device is trusted, cached KV included
         self.scheduler.finished.clear()
         return ids
 
@@ -285,12 +300,13 @@ class LLMEngine:
                 if append(seq, token, None if rows is None else rows[n - 1]):
                     break
             self.counters.usage(seq.adapter).tokens += n
+        if seq.status is SeqStatus.RUNNING:  # (not preempted while the step ran: its blocks hold this KV)
+            seq.num_computed = seq.num_tokens - 1
+            self.scheduler.cache_final(seq)  # before a finish frees them: a next turn resends this text
         if seq.ended:
             self.scheduler.finish(seq)
-        elif seq.status is SeqStatus.RUNNING:
-            seq.num_computed = seq.num_tokens - 1
-            if seq.flight is None:
-                self.blocks.truncate(seq.block_table, seq.num_tokens)
+        elif seq.status is SeqStatus.RUNNING and seq.flight is None:
+            self.blocks.truncate(seq.block_table, seq.num_tokens)
 
     def set_speculation(self, spec: SpecConfig | None) -> None:
         """Switch speculative drafting on (a fresh gate: nothing measured yet) or off (None). Its draft length
@@ -304,6 +320,13 @@ class LLMEngine:
         self.executor = StepExecutor(self.runner, self.adapters.slots, self.config.max_num_seqs, self.lookahead,
                                      self.config.max_graph_tokens if self.config.cuda_graphs else None,
                                      self.counters.spec)
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Prefix caching on (fresh counters) or off for requests added from now on (EngineConfig's setting at start;
+        a benchmark compares both on one engine). Either way every cached block is dropped: a run starts cold."""
+        self.blocks.clear()
+        self.counters.prefix_cache = PrefixCacheStats() if enabled else None
+        self.scheduler.use_prefix_cache(self.counters.prefix_cache)
 
     def _fail_orphans(self) -> None:
         """Requests for an adapter removed while they waited end with "abort"; its slot is freed once idle."""
@@ -354,7 +377,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         """The engine's counters (EngineStats) and its gauges, as plain data."""
-        return self.counters.snapshot(self.gate.estimates()) | {
+        out = self.counters.snapshot(self.gate.estimates())
+        if "prefix_cache" in out:
+            out["prefix_cache"] |= {"cached_blocks": self.blocks.num_cached, "evictions": self.blocks.evictions}
+        return out | {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_kv_blocks": self.blocks.num_free,

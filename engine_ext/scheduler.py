@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from .adapter_manager import AdapterManager
 from .block_manager import BlockManager
+from .prefix_cache import chain_hashes
 from .sequence import Sequence, SeqStatus
+from .stats import PrefixCacheStats
 
 
 @dataclass
@@ -30,11 +32,16 @@ class Scheduler:
     """FCFS with preemption by recompute. Each step: make room for every running sequence (preempting
     the newest when blocks run out), then admit waiting requests while blocks, sequence slots, the
     token budget and adapter slots allow. A request is admitted once its adapter's copy into a device
-    slot has landed; at most one copy is issued per step, and none while another is in flight."""
+    slot has landed; at most one copy is issued per step, and none while another is in flight.
+
+    With prefix caching (`prefix_cache`, its counters; None: off), a request admitted with an empty table first takes
+    the longest cached chain of its adapter version (keyed by its `cache_root`), and `cache_final` files each
+    running sequence's full blocks of final KV when the step that completed them is read."""
 
     def __init__(self, blocks: BlockManager, adapters: AdapterManager, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, prefix_cache: PrefixCacheStats | None = None):
         self.blocks = blocks
+        self.prefix_cache = prefix_cache
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -58,7 +65,7 @@ class Scheduler:
         """Recompute later: drop its KV, keep its tokens (prompt + generated) as the new prefill."""
         del self.running[seq.request_id]
         self.blocks.free(seq.block_table)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_cached_blocks = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -98,6 +105,37 @@ class Scheduler:
             self.blocks.share(source.block_table, shared, seq.block_table)
             seq.num_computed = shared * self.blocks.block_size
         return True
+
+    def use_prefix_cache(self, counters: PrefixCacheStats | None) -> None:
+        """Prefix caching on, counting lookups into `counters`, or off (None): no lookups, nothing filed."""
+        self.prefix_cache = counters
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a sequence with an empty table can take: the longest cached chain of its adapter version
+        over its full blocks but the one with its last token (computed again: its logits start the output)."""
+        n = (seq.num_tokens - 1) // self.blocks.block_size
+        if len(seq.block_hashes) < n:  # (a request waiting for room is looked up again each step)
+            chain_hashes(seq.block_hashes, seq.cache_root, seq.token_ids, self.blocks.block_size, n)
+        return self.blocks.lookup(seq.block_hashes[:n])
+
+    def _take_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        """Hold the cached blocks `hits` as the start of `seq`'s table, and count the lookup."""
+        self.blocks.take(hits, seq.block_table)
+        seq.num_computed = len(hits) * self.blocks.block_size
+        seq.num_cached_blocks = len(hits)
+        self.prefix_cache.observe(seq.adapter, seq.num_tokens, seq.num_computed)
+
+    def cache_final(self, seq: Sequence) -> None:
+        """File a running sequence's full blocks below `num_computed` in the prefix cache. Called when the step that
+        committed its tokens is read, not before: only then is their KV final (prefix_cache.py)."""
+        size = self.blocks.block_size
+        n = min(seq.num_computed // size, len(seq.block_table))
+        if seq.cache_root is None or n <= seq.num_cached_blocks or self.prefix_cache is None:
+            return
+        chain_hashes(seq.block_hashes, seq.cache_root, seq.token_ids, size, n)
+        for i in range(seq.num_cached_blocks, n):
+            self.blocks.register(seq.block_table[i], seq.block_hashes[i], seq.cache_root)
+        seq.num_cached_blocks = n
 
     def schedule(self, lookahead: int = 0, max_model_len: int = 1 << 30) -> ScheduledBatch:
         """`lookahead`: extra positions to reserve per running sequence (speculative drafts). A sequence a step still
@@ -155,10 +193,12 @@ class Scheduler:
             if seq.prompt_source is not None and not seq.block_table and not self._share_prompt(seq):
                 skipped.append(self.waiting.popleft())  # its source's prompt KV is not written yet
                 continue
-            need = seq.num_tokens - seq.num_computed
+            lookup = seq.cache_root is not None and not seq.block_table and self.prefix_cache is not None
+            hits = self._cached_prefix(seq) if lookup else []
+            need = seq.num_tokens - max(seq.num_computed, len(hits) * self.blocks.block_size)
             if need > budget and batch.seqs:
                 break
-            if not self.blocks.can_allocate(seq.block_table, seq.num_tokens + lookahead):
+            if not self.blocks.can_allocate(seq.block_table, seq.num_tokens + lookahead, hits):
                 break  # keep FCFS for memory; a later, smaller request must not starve this one
             if seq.adapter is not None:
                 slots = self.adapters.slots
@@ -176,6 +216,8 @@ class Scheduler:
                 self._cold.discard(seq.request_id)
                 self.adapters.stats.adapter(seq.adapter).hits += hit
             self.waiting.popleft()
+            if lookup:
+                self._take_prefix(seq, hits)
             self.blocks.allocate(seq.block_table, seq.num_tokens + lookahead)
             seq.status = SeqStatus.RUNNING
             self.running[seq.request_id] = seq

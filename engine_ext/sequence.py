@@ -55,6 +55,12 @@ class Sequence:
     # A sequence with the same prompt and adapter (another sample of one request) whose prompt KV blocks this
     # one takes over at admission instead of computing them again (Scheduler._share_prompt).
     prompt_source: Sequence | None = field(default=None, repr=False)
+    # Prefix caching (prefix_cache.py): the chain root of its adapter version (None: caching off), the chain hashes
+    # of its first full blocks (tokens only: they outlive a preemption), and how many leading blocks of its table
+    # are filed in the cache or were found there
+    cache_root: bytes | None = field(default=None, repr=False)
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_blocks: int = 0
     # The step queued on the device that holds it and has not been read (engine_ext.flight.Flight), its row there,
     # and (at least, at most) the tokens that step commits for it once read ((0, 0): none queued)
     flight: Any = field(default=None, repr=False)

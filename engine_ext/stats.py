@@ -67,10 +67,43 @@ class SpecStats:
 
 
 @dataclass
+class PrefixLookups:
+    queries: int = 0  # tokens of the sequences admitted with a cache lookup
+    hits: int = 0  # of those, tokens whose KV came from the cache
+
+    def snapshot(self) -> dict:
+        return {"queries": self.queries, "hits": self.hits,
+                "hit_rate": self.hits / self.queries if self.queries else None}
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups at admission, in tokens: in all, on the base model alone, and per adapter."""
+
+    total: PrefixLookups = field(default_factory=PrefixLookups)
+    base: PrefixLookups = field(default_factory=PrefixLookups)
+    adapters: dict[str, PrefixLookups] = field(default_factory=dict)
+
+    def observe(self, adapter: str | None, queries: int, hits: int) -> None:
+        if adapter is None:
+            part = self.base
+        else:
+            part = self.adapters.get(adapter) or self.adapters.setdefault(adapter, PrefixLookups())
+        for p in (self.total, part):
+            p.queries += queries
+            p.hits += hits
+
+    def snapshot(self) -> dict:
+        return self.total.snapshot() | {"base": self.base.snapshot(),
+                                        "adapters": {a: p.snapshot() for a, p in list(self.adapters.items())}}
+
+
+@dataclass
 class EngineStats:
     base: UsageStats = field(default_factory=UsageStats)  # requests on the base model alone
     adapters: dict[str, AdapterStats] = field(default_factory=dict)
     spec: SpecStats | None = None  # None: speculation off
+    prefix_cache: PrefixCacheStats | None = None  # None: prefix caching off
     steps: int = 0
     device_wait_s: float = 0.0  # host time spent waiting for the device to finish a step it reads
 
@@ -97,4 +130,6 @@ class EngineStats:
                "adapters": adapters}
         if self.spec is not None:
             out["speculative"] = self.spec.snapshot()
+        if self.prefix_cache is not None:
+            out["prefix_cache"] = self.prefix_cache.snapshot()
         return out

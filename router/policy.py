@@ -6,9 +6,12 @@ them to Serve one per tier, and Serve takes the first with room. The order:
   1. replicas within the load bound (bounded-load hashing: in flight below max(floor,
      ceil(load_bound x mean)) and not saturated) before the others, so one hot adapter
      cannot pile onto a replica while others have room;
-  2. residency: the adapter on the device > in host memory > not there;
-  3. its placement homes (from the placement controller; rendezvous homes without one);
-  4. fewer requests in flight.
+  2. replicas holding the adapter (device or host memory) before the others, and among those, the one that was
+     sent the same prompt prefix (router.prefixes: adapter version and fingerprint) most recently first: its
+     prefix cache likely still holds that prefix's KV, which saves a whole prompt computation;
+  3. residency: the adapter on the device > in host memory > not there;
+  4. its placement homes (from the placement controller; rendezvous homes without one);
+  5. fewer requests in flight.
 
 A cold adapter that already lives somewhere stays there (residency before home): a second
 copy would cost a load and evict another adapter. Base-model requests use the power of two
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from router.keys import AdapterKey
 from router.rendezvous import home_replicas
@@ -55,6 +58,8 @@ class AffinityConfig:
     assignment_ttl_s: float = 30.0  # trust our own "sent adapter X to R" this long
     load_bound: float = 1.6  # bounded load: skip a replica with more than this x the mean in flight
     load_bound_floor: int = 4  # ... unless it has fewer requests in flight than this
+    prefix_affinity: bool = True  # among the adapter's holders, prefer the one last sent the same prompt prefix
+    prefix_ttl_s: float = 60.0  # ... if that was at most this long ago (its cached KV is likely evicted later)
 
     def __post_init__(self) -> None:
         if self.cold_homes < 1 or self.hot_homes < self.cold_homes:
@@ -65,8 +70,10 @@ class AffinityConfig:
             raise ValueError(f"saturation must be in (0, 1], got {self.saturation}")
         if self.load_bound < 1 or self.load_bound_floor < 1:
             raise ValueError("load_bound must be >= 1 and load_bound_floor >= 1")
-        if self.replication_factor <= 0 or self.popularity_half_life_s <= 0 or self.assignment_ttl_s <= 0:
-            raise ValueError("replication_factor, popularity_half_life_s and assignment_ttl_s must be > 0")
+        if (self.replication_factor <= 0 or self.popularity_half_life_s <= 0 or self.assignment_ttl_s <= 0
+                or self.prefix_ttl_s <= 0):
+            raise ValueError("replication_factor, popularity_half_life_s, assignment_ttl_s and prefix_ttl_s "
+                             "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,12 @@ def rank_for_adapter(
     homes: int,
     cfg: AffinityConfig,
     rng: Optional[random.Random] = None,
+    prefix_sent: Optional[Mapping[str, float]] = None,
 ) -> list[list[str]]:
     """Replica ids for a request for `adapter_key`, best first, one per tier (`rank_replicas`).
+
+    `prefix_sent`: replica id -> when it was last sent this request's prompt prefix for this adapter version
+    (router.prefixes.PrefixMemory.recency); used only with `cfg.prefix_affinity`.
 
     Homes: the replicas whose reported placement homes the adapter's family; when no replica
     reports a plan (no controller) or none homes it, its `homes` rendezvous homes. Replicas are
@@ -121,8 +132,10 @@ def rank_for_adapter(
     rng.shuffle(shuffled)
     residency = [RESIDENT_DEVICE if adapter_key in r.device_adapters else
                  RESIDENT_HOST if adapter_key in r.host_adapters else RESIDENT_NONE for r in shuffled]
+    sent = prefix_sent if cfg.prefix_affinity and prefix_sent else None
     order = rank_replicas(residency, [r.replica_id in home_ids for r in shuffled], [r.queue_len for r in shuffled],
-                          cfg.load_bound, cfg.load_bound_floor, full=[is_saturated(r, cfg) for r in shuffled])
+                          cfg.load_bound, cfg.load_bound_floor, full=[is_saturated(r, cfg) for r in shuffled],
+                          prefix_sent=None if sent is None else [sent.get(r.replica_id) for r in shuffled])
     return [[shuffled[i].replica_id] for i in order]
 
 
@@ -139,19 +152,25 @@ def rank_for_base(replicas: Sequence[ReplicaState], rng: Optional[random.Random]
 
 
 def rank_replicas(residency: Sequence[int], is_home: Sequence[bool], loads: Sequence[int], load_bound: float,
-                  load_bound_floor: int = 2, full: Optional[Sequence[bool]] = None) -> list[int]:
+                  load_bound_floor: int = 2, full: Optional[Sequence[bool]] = None,
+                  prefix_sent: Optional[Sequence[Optional[float]]] = None) -> list[int]:
     """Replica indices, best first, for one request for an adapter (the placement-aware score).
 
     residency[i] is `RESIDENT_DEVICE` > `RESIDENT_HOST` > `RESIDENT_NONE`; `is_home[i]` says
     whether the placement made replica i a home of the adapter; `loads[i]` is requests in
     flight. Bounded load: replica i is over the bound when loads[i] + 1 > max(load_bound_floor,
     ceil(load_bound * (sum(loads) + 1) / n)) or `full[i]`; those go last, so one hot adapter
-    cannot push a replica past its share while others have room. Within each group:
-    residency, then home, then load.
+    cannot push a replica past its share while others have room. Within each group: holders of
+    the adapter first, among them the one sent the request's prompt prefix last (`prefix_sent[i]`:
+    when, None: never or forgotten), then residency, then home, then load.
     """
     n = len(loads)
     if n == 0:
         return []
     bound = max(load_bound_floor, math.ceil(load_bound * (sum(loads) + 1) / n))
     over = [loads[i] >= bound or (full is not None and full[i]) for i in range(n)]
-    return sorted(range(n), key=lambda i: (over[i], -residency[i], not is_home[i], loads[i]))
+    never = float("inf")
+    recent = [never if prefix_sent is None or prefix_sent[i] is None or residency[i] == RESIDENT_NONE
+              else -prefix_sent[i] for i in range(n)]
+    return sorted(range(n), key=lambda i: (over[i], residency[i] == RESIDENT_NONE, recent[i], -residency[i],
+                                           not is_home[i], loads[i]))

@@ -19,8 +19,9 @@ from router.assignments import AssignmentMemory
 from router.keys import AdapterKey
 from router.policy import AffinityConfig, ReplicaState, num_homes, rank_for_adapter, rank_for_base
 from router.popularity import PopularityTracker
+from router.prefixes import PrefixMemory
 
-__all__ = ["AffinityRouter", "ROUTER_CLASS_PATH", "replica_state"]
+__all__ = ["AffinityRouter", "ROUTER_CLASS_PATH", "replica_state", "request_fingerprint"]
 
 ROUTER_CLASS_PATH = "router.ray_router.AffinityRouter"
 
@@ -42,6 +43,13 @@ def replica_state(replica: RunningReplica, queue_len: Optional[int], believed: f
     )
 
 
+def request_fingerprint(pending_request: PendingRequest) -> Optional[str]:
+    """The prompt-prefix fingerprint the ingress put on the request (deployments.protocol.GenerateRequest, the
+    handle call's one argument); None for a call without one."""
+    args = pending_request.args
+    return getattr(args[0], "prefix_fingerprint", None) if args else None
+
+
 class AffinityRouter(RequestRouter):
     """Adapter-affinity routing: bounded load, then resident (device > host) > placement homes >
     least loaded; base-model requests by 2 choices."""
@@ -50,6 +58,7 @@ class AffinityRouter(RequestRouter):
         self._cfg = AffinityConfig(**kwargs)
         self._popularity = PopularityTracker(half_life_s=self._cfg.popularity_half_life_s)
         self._assignments = AssignmentMemory(ttl_s=self._cfg.assignment_ttl_s)
+        self._prefixes = PrefixMemory(ttl_s=self._cfg.prefix_ttl_s)
         self._rng = random.Random()
 
     def _ensure_state(self) -> None:
@@ -82,7 +91,8 @@ class AffinityRouter(RequestRouter):
             homes = num_homes(
                 self._popularity.share(family), self._popularity.count(family), len(states), self._cfg
             )
-            tiers = rank_for_adapter(key, states, homes, self._cfg, self._rng)
+            sent = self._prefixes.recency(key, request_fingerprint(pending_request))
+            tiers = rank_for_adapter(key, states, homes, self._cfg, self._rng, prefix_sent=sent)
         return [[by_id[rid] for rid in tier] for tier in tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -91,8 +101,12 @@ class AffinityRouter(RequestRouter):
         if key:
             self._assignments.note(key, replica_id.unique_id)
             self._popularity.record(AdapterKey.family(key))
+            fingerprint = request_fingerprint(pending_request)
+            if fingerprint is not None:
+                self._prefixes.note(key, fingerprint, replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         if hasattr(self, "_assignments"):
             self._assignments.forget_replica(replica_id.unique_id)
+            self._prefixes.forget_replica(replica_id.unique_id)

@@ -24,6 +24,11 @@ class Engine:
     def __init__(self, capacity=8, fail=()):
         self.paths, self.host, self.capacity, self.fail, self.added = {}, [], capacity, set(fail), []
         self.choose = lambda candidates: candidates[0]
+        self.dropped = []  # keys whose prefix-cache blocks were dropped
+
+    def drop_cached_prefixes(self, key):
+        self.dropped.append(key)
+        return 0
 
     def set_host_eviction(self, choose):
         self.choose = choose
@@ -121,6 +126,9 @@ def test_retired_versions_are_not_offered_but_still_served_to_a_late_request():
         assert (await adapters.acquire("a@1"))[0] is True  # resolved before the promote: served
         adapters.retire("a", keep=frozenset({"a@1", "a@2"}))  # rolled back
         assert adapters.known() == ["a@1", "a@2"]
+        adapters.retire("a", keep=frozenset({"a@1"}))
+        adapters.retire("a", keep=frozenset({"a@1"}))  # again: nothing newly withdrawn
+        assert engine.dropped == ["a@1", "a@2"]  # each withdrawal drops that version's cached prompt KV
 
     run(scenario())
 

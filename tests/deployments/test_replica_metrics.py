@@ -75,3 +75,26 @@ def test_placement_controller_relays_the_reports_of_live_replicas():
 
     share, out = asyncio.run(scenario())
     assert share["version"] >= 1 and set(out) == {"r1"} and out["r1"]["seq"] == 1
+
+
+def test_prefix_cache_counters_go_from_the_engine_stats_to_the_series():
+    from deployments.replica_report import replica_report
+
+    stats = {"num_running": 1, "num_waiting": 0, "free_kv_blocks": 10, "device_adapters": ["pub@1"],
+             "adapters": {"pub@1": {"requests": 3, "tokens": 9}},
+             "prefix_cache": {"queries": 300, "hits": 128, "hit_rate": 128 / 300, "cached_blocks": 12, "evictions": 2,
+                              "base": {"queries": 100, "hits": 0, "hit_rate": 0.0},
+                              "adapters": {"pub@1": {"queries": 200, "hits": 128, "hit_rate": 0.64}}}}
+    rep = replica_report(stats, 1, ["pub@1", "new@1"], host_adapters=1)
+    assert rep["adapters"]["pub@1"]["prefix_queries"] == 200 and rep["adapters"]["new@1"]["prefix_hits"] == 0
+    m = ServingMetrics()
+    m.replicas.replace_all({"r1": rep}, keep=lambda key: True)
+    s = samples(m)
+    ad, r1 = (("adapter", "pub@1"), ("replica", "r1")), (("replica", "r1"),)
+    assert s[("loraserve_prefix_cache_queries_total", ad)] == 200
+    assert s[("loraserve_prefix_cache_hits_total", ad)] == 128
+    assert s[("loraserve_replica_prefix_cache_queries_total", r1)] == 300
+    assert s[("loraserve_replica_prefix_cache_hits_total", r1)] == 128
+    assert s[("loraserve_prefix_cache_evictions_total", r1)] == 2
+    assert s[("loraserve_prefix_cache_blocks", r1)] == 12
+    assert "prefix_cache" not in replica_report({k: v for k, v in stats.items() if k != "prefix_cache"}, 2, [], 1)

@@ -7,6 +7,8 @@ cache must come back whole, and greedy outputs must equal plain decoding's token
 Runs on every backend (the `backend` fixture): the plain-torch engine on the CPU, and the Triton kernels with
 CUDA graphs on a GPU (marked `gpu`, run on the device)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,12 +45,12 @@ def workload(tmp_path_factory):
     return model, adapters, generate(traffic)
 
 
-def _run(workload, backend, spec):
+def _run(workload, backend, spec, caching=False):
     model, adapters, requests = workload
     # 44 blocks of 4 tokens: room for a handful of the longest requests at once, so some are preempted
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", max_loras=3, block_size=4, num_kv_blocks=44,
                                     max_model_len=128, max_num_seqs=16, speculative=spec, debug_checks=True,
-                                    **backend))
+                                    enable_prefix_caching=caching, **backend))
     for n, p in adapters.items():
         engine.add_adapter(n, p)
     # each time a cycle takes arrivals in between passes, 2 ms pass: requests land during cycles and join them
@@ -90,6 +92,32 @@ def test_every_request_finishes_and_greedy_output_equals_plain(workload, backend
         if not MODES[mode].gate:  # every step a cycle: requests arrived during cycles and joined them (how many
             # cycles the gate runs depends on the pass times it measures on the device)
             assert stats["speculative"]["joined"] > 0
+
+
+@pytest.fixture(scope="module")
+def shared_workload(workload):
+    """The same traffic with each adapter's (and the base model's) own 18-token system prompt before every prompt."""
+    model, adapters, requests = workload
+    names = sorted(adapters) + [None]
+    system = {a: [(7 * i + 3 * j) % 200 + 1 for j in range(18)] for i, a in enumerate(names)}
+    return model, adapters, [dataclasses.replace(r, prompt=system[r.adapter] + r.prompt) for r in requests]
+
+
+@pytest.mark.parametrize("mode", ["plain", "forced-k3"])
+def test_prefix_caching_under_open_loop_traffic_keeps_every_greedy_output(shared_workload, backend, mode):
+    """Shared system prompts under the same arrivals, aborts and preemption: with prefix caching on, every output is
+    the uncached plain engine's, hits happen, and the cache comes back whole (cached blocks count as free)."""
+    reference = {r.request.request_id: r for r in _run(shared_workload, backend, None)[1]}
+    engine, records = _run(shared_workload, backend, MODES[mode], caching=True)
+    for r in records:
+        ref = reference[r.request.request_id]
+        n = len(r.token_ids) if r.request.abort_after is None else min(len(r.token_ids), len(ref.token_ids))
+        assert r.token_ids[:n] == ref.token_ids[:n], f"{r.request.request_id} on {r.request.adapter} differs"
+        if r.request.abort_after is None:
+            assert r.finish_reason == "length" and len(r.token_ids) == r.request.max_tokens
+    stats = engine.stats()
+    assert stats["free_kv_blocks"] == stats["total_kv_blocks"] and not engine.has_unfinished_requests
+    assert stats["prefix_cache"]["hits"] > 0 and stats["num_preemptions"] > 0
 
 
 def test_traffic_is_seeded_and_follows_its_arrival_process():
