@@ -157,3 +157,4 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+        self.engine.close()
