@@ -42,9 +42,12 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of this process's threads or CUDA state
         self.port = free_port()
         self.procs, self.conns = [], []
+        # Rank 0 keeps its own threads; each worker takes its share of them, so N ranks on one CPU do not each
+        # spin up a thread per core (oversubscribed, every collective waits on a descheduled rank)
+        threads = max(1, torch.get_num_threads() // config.tensor_parallel_size)
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
-            args = WorkerArgs(config, rank, self.port, max_model_len, lookahead)
+            args = WorkerArgs(config, rank, self.port, max_model_len, lookahead, threads)
             proc = ctx.Process(target=run_worker, args=(args, child), name=f"tp-rank-{rank}", daemon=True)
             proc.start()
             child.close()

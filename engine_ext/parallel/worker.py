@@ -36,6 +36,7 @@ class WorkerArgs:
     port: int
     max_model_len: int
     lookahead: int
+    threads: int  # torch's intra-op threads (on a CPU the ranks share the cores rank 0's process may use)
 
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
@@ -52,6 +53,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
 def _build(args: WorkerArgs) -> WorkerRank:
     config = args.config
     device = torch.device(config.rank_device(args.rank))
+    torch.set_num_threads(args.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     spec = load_model_spec(config.model)
