@@ -15,7 +15,7 @@ from ..model_config import ModelSpec
 from ..model_runner import ModelRunner
 from .adapters import LeaderSlots, pack_shards
 from .layout import ShardLayout, check_tensor_parallel
-from .leader import LeaderRunner, WorkerGroup
+from .leader import LeaderRunner, RankFailure, WorkerGroup
 
 
 @dataclass
@@ -27,6 +27,16 @@ class Ranks:
     slots: AdapterSlots | None = None
     pack: Callable[[LoRAWeights], PackedAdapter] | None = None
     workers: WorkerGroup | None = None
+
+    def alive(self) -> bool:
+        """False once a worker rank has exited or failed (the engine cannot run another forward)."""
+        if self.workers is None:
+            return True
+        try:
+            self.workers.check()
+        except RankFailure:
+            return False
+        return True
 
     def close(self) -> None:
         """Stop the worker ranks (nothing for one rank)."""
