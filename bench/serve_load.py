@@ -306,6 +306,7 @@ def main() -> None:
                     help="torch intra-op threads on a CPU (1 is fastest for the tiny shape on a shared machine)")
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = args.modes or ["plain" if not args.spec else "forced" if args.no_gate else "gated"]
@@ -326,6 +327,7 @@ def main() -> None:
     fast = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton", cuda_graphs=True,
                 kv_cache_memory_gb=24) if gpu else dict(num_kv_blocks=4096)
     cfg = EngineConfig(model=model_dir, device=args.device, dtype="bfloat16" if gpu else "float32",
+                       tensor_parallel_size=args.tp,
                        max_loras=args.max_loras, max_lora_rank=max(args.max_rank, args.rank), max_cpu_loras=max(64, args.adapters),
                        max_num_seqs=128, max_num_batched_tokens=8192, max_model_len=2048, speculative=spec,
                        compile_cache_dir=args.compile_cache, debug_checks=args.debug_checks, **fast)
@@ -338,7 +340,7 @@ def main() -> None:
     ready_entries = _cache_entries(args.compile_cache)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
-    result = {"machine": machine(), "shape": args.shape, "spec": args.spec, "modes": modes, "mix": args.mix,
+    result = {"machine": machine(), "shape": args.shape, "tp": args.tp, "spec": args.spec, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
               "startup": startup, "cache_entries_before": before,
               "cache_entries_ready": ready_entries, "runs": []}

@@ -3,7 +3,8 @@ process) gives token for token the greedy output of the one-rank engine in float
 speculative drafting, over adapters of ranks 8 and 16 (attention-only and all seven projections, swapping through
 fewer slots than adapters) and base-only requests, under preemption and after an adapter is removed; a model with
 fewer KV heads than ranks (one, replicated) and q/k/v biases too. A rank that dies fails the engine within seconds
-with an error naming it, and every step after that fails at once.
+with an error naming it, and every step after that fails at once. On two GPUs (marked gpu): the same with the Triton
+kernels and CUDA graphs over NCCL.
 
 The layout's pure parts (which rows and columns each rank holds) are pinned by reassembling the whole model's
 tensors from the ranks' parts."""
@@ -145,6 +146,23 @@ def test_a_killed_rank_fails_the_engine_within_seconds(models):
         with pytest.raises(RankFailure):  # and every step after it, at once
             engine.step()
         assert time.monotonic() - start < 1
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_two_gpus_match_one(models):
+    """The serving backend (Triton kernels, CUDA graphs capturing the NCCL collectives) on two GPUs against one."""
+    from backends import CUDA_TRITON_GRAPHS
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    pytest.importorskip("triton")
+    want = run(make_engine(*models, tp=1, **CUDA_TRITON_GRAPHS), None)
+    engine = make_engine(*models, tp=2, **CUDA_TRITON_GRAPHS)
+    try:
+        assert run(engine, None) == want
+        assert run(engine, SPEC) == want
     finally:
         engine.close()
 
