@@ -28,7 +28,7 @@ from .attention import AttnMetadata, paged_attention, write_kv
 from .constants import LORA_GROUPS
 from .lora_ops import LoRAOp
 from .model_config import ModelLoadError, ModelSpec
-from .parallel.comm import SingleRank
+from .parallel.comm import ONE_RANK, Collectives, SingleRank
 from .parallel.layout import ShardLayout
 from .rope import apply_rope, cos_sin, inv_frequencies
 from .weights import iter_tensors
@@ -132,7 +132,8 @@ class LayerInputs:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, index: int, comm=SingleRank):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, index: int,
+                 comm: Collectives | SingleRank = ONE_RANK):
         """spec: the model as this rank holds it (ShardLayout.local); comm: the ranks' collectives."""
         super().__init__()
         self.spec, self.index, self.comm = spec, index, comm
@@ -217,9 +218,9 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, ops: LayerOps, layout: ShardLayout | None = None,
-                 comm=SingleRank):
+                 comm: Collectives | SingleRank = ONE_RANK):
         """spec: the full model; layout: the part of it this rank holds (None: all of it); comm: the ranks'
-        collectives (SingleRank for one)."""
+        collectives (ONE_RANK for one)."""
         super().__init__()
         self.layout = layout or ShardLayout(spec, 0, 1)
         self.spec, self.comm = spec, comm

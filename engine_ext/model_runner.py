@@ -15,7 +15,7 @@ from .config import EngineConfig
 from .staging import Staging
 from .model import CausalLM, LoRABatch
 from .model_config import ModelSpec
-from .parallel.comm import SingleRank
+from .parallel.comm import ONE_RANK, Collectives, SingleRank
 from .parallel.layout import ShardLayout
 
 logger = logging.getLogger(__name__)
@@ -41,11 +41,12 @@ def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device, max_
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, *, max_model_len: int,
-                 lookahead: int, layout: ShardLayout | None = None, comm=SingleRank):
+                 lookahead: int, layout: ShardLayout | None = None,
+                 comm: Collectives | SingleRank = ONE_RANK):
         """max_model_len: the longest sequence served; lookahead: positions past it a forward may touch (drafts, and
         a step queued before the one before it was read). The engine derives both once and passes them down.
         layout, comm: the part of the model this tensor-parallel rank holds and the ranks' collectives (None and
-        SingleRank: one rank, the whole model); the KV cache holds this rank's KV heads."""
+        ONE_RANK: one rank, the whole model); the KV cache holds this rank's KV heads."""
         self.config, self.spec, self.device = config, spec, device
         local = (layout or ShardLayout(spec, 0, 1)).local
         backend = Backend.from_config(config, device)

@@ -24,26 +24,25 @@ def free_port() -> int:
 
 
 class SingleRank:
-    """The collectives of a one-rank engine: nothing to exchange."""
+    """The collectives of a one-rank engine (ONE_RANK): nothing to exchange, every call returns its argument."""
 
     size = 1
     rank = 0
 
-    @staticmethod
-    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    @staticmethod
-    def gather_columns(x: torch.Tensor) -> torch.Tensor:
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    @staticmethod
-    def broadcast(x: torch.Tensor) -> torch.Tensor:
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    @staticmethod
-    def min_int(n: int) -> int:
+    def min_int(self, n: int) -> int:
         return n
+
+
+ONE_RANK = SingleRank()
 
 
 class Collectives:
