@@ -75,6 +75,10 @@ class Collectives:
         self.group.broadcast(x, 0).wait()
         return x
 
+    def abort(self) -> None:
+        """End every collective in flight with an error, on this rank (a peer died: nothing will answer them)."""
+        self.group.abort()
+
     def min_int(self, n: int) -> int:
         """The least of every rank's n (sizes that must agree, such as the KV blocks each rank's memory holds)."""
         t = torch.tensor([n], dtype=torch.long, device=self.device)

@@ -3,18 +3,21 @@ loopback port), and its runner and slots replay every forward, adapter load and 
 (messages.py), before running their own part. The scheduler, block manager, sampling and the speculation gate
 run here only; the workers execute the same forwards on their shards.
 
-A rank that exits fails the engine within the collective or the send that meets it (gloo: at once; its pipe: at
-once), and every later step fails at once too, with RankFailure naming the rank and its exit code; a rank alive
-but stuck fails it after `tp_timeout_s`."""
+A rank that exits fails the engine within the collective or the send that meets it, and every later step fails at
+once too, with RankFailure naming the rank and its exit code: a thread waits on the workers' exits and aborts rank
+0's collectives in flight (gloo notices a closed peer by itself; an NCCL collective would wait for its timeout). A
+rank alive but stuck fails it after `tp_timeout_s`."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import wait
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the reductions that send tensors through shared memory)
@@ -54,7 +57,13 @@ class WorkerGroup:
             self.procs.append(proc)
             self.conns.append(parent)
         self.failed: RankFailure | None = None
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._closing = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._closing)
+
+    def on_exit(self, abort: Callable[[], None]) -> None:
+        """Call `abort` (from a watcher thread) as soon as a worker exits while the group is open."""
+        threading.Thread(target=_watch_exits, args=(self.procs, self._closing, abort), name="tp-rank-watch",
+                         daemon=True).start()
 
     def send(self, msg) -> None:
         """The same message to every worker."""
@@ -101,8 +110,16 @@ class WorkerGroup:
         self._finalizer()
 
 
-def _stop(procs: list, conns: list) -> None:
+def _watch_exits(procs: list, closing: threading.Event, abort: Callable[[], None]) -> None:
+    wait([p.sentinel for p in procs])  # returns when one has exited
+    if not closing.is_set():
+        logger.error("tensor-parallel worker exited: %s", ", ".join(f"pid {p.pid} code {p.exitcode}" for p in procs))
+        abort()
+
+
+def _stop(procs: list, conns: list, closing: threading.Event) -> None:
     """Ask every live worker to leave, then end those that do not within a few seconds."""
+    closing.set()
     for proc, conn in zip(procs, conns):
         try:
             if proc.is_alive():
@@ -125,6 +142,7 @@ class LeaderRunner(ModelRunner):
                  max_model_len: int, lookahead: int):
         self.workers = workers
         self.comm = Collectives(0, config.tensor_parallel_size, workers.port, device, config.tp_timeout_s)
+        workers.on_exit(self.comm.abort)
         with workers.watch():
             super().__init__(config, spec, device, max_model_len=max_model_len, lookahead=lookahead,
                              layout=ShardLayout(spec, 0, config.tensor_parallel_size), comm=self.comm)

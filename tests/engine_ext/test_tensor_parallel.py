@@ -11,6 +11,7 @@ tensors from the ranks' parts."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -132,15 +133,22 @@ def test_fewer_kv_heads_than_ranks(tmp_path):
         engine.close()
 
 
-def test_a_killed_rank_fails_the_engine_within_seconds(models):
+@pytest.mark.parametrize("when", ["between steps", "during a generate"])
+def test_a_killed_rank_fails_the_engine_within_seconds(models, when):
+    """Killed while rank 0 is idle, or (a timer) while it is stepping, likely inside a collective: either way the
+    engine raises RankFailure naming the rank within seconds."""
     engine = make_engine(*models, tp=2)
     try:
         run(engine, None, PROMPTS[:1], [None])
         worker = engine.ranks.workers.procs[0]
-        os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()
+        if when == "between steps":
+            os.kill(worker.pid, signal.SIGKILL)
+        else:
+            threading.Timer(0.3, os.kill, (worker.pid, signal.SIGKILL)).start()
         with pytest.raises(RankFailure, match=r"rank 1 \(pid \d+, exit code -9\) exited"):
-            run(engine, None, PROMPTS[:2], NAMES[:2])
+            engine.generate(prompt_token_ids=PROMPTS, adapter_names=NAMES,
+                            sampling_params=SamplingParams(max_tokens=200, ignore_eos=True))
         assert time.monotonic() - start < 5
         start = time.monotonic()
         with pytest.raises(RankFailure):  # and every step after it, at once
