@@ -37,7 +37,8 @@ def served():
             adapters = sorted(demo_paths(cfg)["adapters"])[:2]
             reqs = requests(cfg.base_model_name, adapters)
             yield {"url": url, "cfg": cfg, "adapters": adapters, "reqs": reqs, "texts": run_all(url, reqs),
-                   "groups": ray.util.placement_group_table(), "start_s": time.monotonic() - t0}
+                   "groups": ray.util.placement_group_table(), "workers": rank_processes(APP),
+                   "start_s": time.monotonic() - t0}
         finally:
             serve.delete(APP)
     finally:
@@ -47,12 +48,30 @@ def served():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def rank_processes(app: str) -> list[int]:
+    """Pids of the processes the app's LLM replicas spawned (their worker ranks): a spawned child's command line
+    is multiprocessing's `spawn_main`, its parent's the replica's process title."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any("spawn_main" in part for part in proc.info["cmdline"] or ()):
+                parent = proc.parent()
+                if parent is not None and f"ServeReplica:{app}:LLMServer" in " ".join(parent.cmdline()):
+                    out.append(proc.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
 def test_the_replica_holds_a_placement_group_of_two_cpu_bundles(served):
     assert served["cfg"].engine["tensor_parallel_size"] == 2
     groups = [g for g in served["groups"].values() if g["state"] == "CREATED" and g["strategy"] == "STRICT_PACK"
               and len(g["bundles"]) == 2]
     assert groups, served["groups"]
     assert all(set(b) == {"CPU"} for b in groups[0]["bundles"].values())
+    assert len(served["workers"]) == 1  # the replica's one worker rank, its own process
 
 
 def test_it_answers_the_openai_client(served):
