@@ -150,6 +150,7 @@ def test_a_killed_rank_fails_the_engine_within_seconds(models, when):
             engine.generate(prompt_token_ids=PROMPTS, adapter_names=NAMES,
                             sampling_params=SamplingParams(max_tokens=200, ignore_eos=True))
         assert time.monotonic() - start < 5
+        assert not engine.ranks.alive()  # what a Serve replica's health check reads (AsyncLLMEngine.is_alive)
         start = time.monotonic()
         with pytest.raises(RankFailure):  # and every step after it, at once
             engine.step()
