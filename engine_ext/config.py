@@ -48,6 +48,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # How long a collective waits for a rank that is alive but does not answer before it fails the engine (a rank
     # that exits fails it at once). Generous: a first forward may compile kernels on one rank and not another.
+    # Starting (the ranks joining, loading their shards) may take up to parallel/comm.JOIN_TIMEOUT_S instead.
     tp_timeout_s: float = 120.0
     dtype: str = "float32"
     max_loras: int = 8  # adapter slots on the device

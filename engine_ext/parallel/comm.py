@@ -16,6 +16,11 @@ import torch
 import torch.distributed as dist
 
 
+# How long the ranks may take to join (spawn, imports) and to load their shards, before their first collective: not
+# `tp_timeout_s`, which bounds a collective once they run (a large shard's load may take minutes)
+JOIN_TIMEOUT_S = 600.0
+
+
 def free_port() -> int:
     """A free TCP port on the loopback interface (the rendezvous of one engine's ranks)."""
     with socket.socket() as s:
@@ -51,7 +56,8 @@ class Collectives:
     def __init__(self, rank: int, size: int, port: int, device: torch.device, timeout_s: float):
         self.rank, self.size, self.device = rank, size, device
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+        self.join_timeout = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+        self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=self.join_timeout)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -80,7 +86,10 @@ class Collectives:
         self.group.abort()
 
     def min_int(self, n: int) -> int:
-        """The least of every rank's n (sizes that must agree, such as the KV blocks each rank's memory holds)."""
+        """The least of every rank's n (sizes that must agree, such as the KV blocks each rank's memory holds). The
+        ranks' first collective, after loading their shards: it waits as long as joining may take."""
         t = torch.tensor([n], dtype=torch.long, device=self.device)
-        self.group.allreduce([t], dist.ReduceOp.MIN).wait()
+        options = dist.AllreduceOptions()
+        options.reduceOp, options.timeout = dist.ReduceOp.MIN, self.join_timeout
+        self.group.allreduce([t], options).wait()
         return int(t.item())

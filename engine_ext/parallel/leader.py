@@ -85,13 +85,14 @@ class WorkerGroup:
 
     @contextmanager
     def watch(self) -> Iterator[None]:
-        """Turn what a dead or stuck rank makes a send or a collective raise into RankFailure (kept: every later
-        call fails with it at once)."""
+        """Turn what a send or a forward raises into RankFailure (kept: every later call fails with it at once). Any
+        error counts, not only a dead or stuck rank's: a forward that fails on rank 0 leaves the ranks out of step
+        (the others may be waiting in a collective it never reached)."""
         try:
             yield
         except RankFailure:
             raise
-        except (RuntimeError, OSError, EOFError) as e:
+        except Exception as e:
             self.failed = self._failure(f"failed ({type(e).__name__}: {e})")
             raise self.failed from e
 
@@ -103,8 +104,8 @@ class WorkerGroup:
                 if not p.is_alive()]
         if dead:
             return RankFailure(f"tensor-parallel {', '.join(dead)} exited: the engine cannot run; restart it")
-        return RankFailure(f"a tensor-parallel collective {what}; every worker rank is alive but the ranks are out "
-                           f"of step: the engine cannot run; restart it")
+        return RankFailure(f"a tensor-parallel send or forward {what}; every worker rank is alive but the ranks are "
+                           f"out of step: the engine cannot run; restart it")
 
     def close(self) -> None:
         self._finalizer()

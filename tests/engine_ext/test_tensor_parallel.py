@@ -159,6 +159,22 @@ def test_a_killed_rank_fails_the_engine_within_seconds(models, when):
         engine.close()
 
 
+def test_a_stuck_rank_fails_the_engine_after_the_timeout(models):
+    """A rank alive but not answering (stopped) fails the engine once a collective has waited `tp_timeout_s`."""
+    engine = make_engine(*models, tp=2, tp_timeout_s=1.0)  # (joining and loading are not held to it)
+    worker = engine.ranks.workers.procs[0]
+    try:
+        run(engine, None, PROMPTS[:1], [None])
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="every worker rank is alive but the ranks are out of step"):
+            run(engine, None, PROMPTS[:2], NAMES[:2])
+        assert 1.0 <= time.monotonic() - start < 8
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        engine.close()
+
+
 @pytest.mark.gpu
 def test_two_gpus_match_one(models):
     """The serving backend (Triton kernels, CUDA graphs capturing the NCCL collectives) on two GPUs against one."""
