@@ -16,6 +16,7 @@ SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
     "llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256),
     "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256),
+    "llama-3.1-70b": (8192, 28672, 80, 64, 8, 128256),  # 141 GB of bf16 weights: tensor-parallel only
     "tiny": (256, 688, 4, 8, 2, 4096),
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

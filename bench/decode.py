@@ -124,7 +124,9 @@ def forward_point(engine, names: list[str | None], tokens_per_seq: int, use_lora
     total = len(names) * tokens_per_seq
     bucket = next(b for b in runner.graphs.buckets if b >= total)
     lora_on = use_lora and any(n is not None for n in names)
-    gpu_ms = replay_ms(runner.graphs.graphs[(bucket, lora_on)][0], iters)
+    # a bare replay of rank 0's graph alone would wait forever on the other ranks' collectives
+    tp = engine.config.tensor_parallel_size
+    gpu_ms = replay_ms(runner.graphs.graphs[(bucket, lora_on)][0], iters) if tp == 1 else None
     return {"step_ms": step_ms, "step_ms_p99": step_p99, "gpu_ms": gpu_ms, "bucket": bucket}
 
 
@@ -221,8 +223,9 @@ def activate(engine, names: list[str]) -> None:
 
 
 def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int,
-                 kernels: KernelSettings | None = None):
-    cfg = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_loras=max_loras, max_lora_rank=max_rank,
+                 kernels: KernelSettings | None = None, tp: int = 1):
+    cfg = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", tensor_parallel_size=tp,
+                       max_loras=max_loras, max_lora_rank=max_rank,
                        max_cpu_loras=max(64, len(adapters) + 1), kv_cache_memory_gb=24, max_num_seqs=128,
                        max_num_batched_tokens=8192, max_model_len=2048, lora_backend="triton", attn_backend="triton",
                        layer_ops="triton", kernels=kernels or KernelSettings(), cuda_graphs=True,
@@ -295,6 +298,7 @@ def main() -> None:
                     help='the Triton kernels\' launch settings that differ from the defaults, as JSON '
                          '(engine_ext.KernelSettings fields), e.g. \'{"attn_block_n": 64}\'')
     ap.add_argument("--workdir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
     ap.add_argument("--out")
     args = ap.parse_args()
     kernels = KernelSettings.from_dict(args.kernel_settings)
@@ -330,7 +334,7 @@ def main() -> None:
                     adapters |= {f"m{j}_{i}": mid for i in range(32)}
             t0 = time.perf_counter()
             engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32), max_rank=rank,
-                                  max_graph_tokens=max(args.batches) * (MAX_K + 1), kernels=kernels)
+                                  max_graph_tokens=max(args.batches) * (MAX_K + 1), kernels=kernels, tp=args.tp)
             print(f"[{shape} r{rank}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 run_shape_rank(engine, shape, rank, max_distinct, args, results, dump)
@@ -338,6 +342,7 @@ def main() -> None:
                 traceback.print_exc()
                 results.setdefault("errors", []).append(f"{shape} r{rank}: {e!r}")
             dump()
+            engine.close()  # a tensor-parallel engine's worker ranks hold their GPUs until stopped
             del engine
             gc.collect()  # the engine holds reference cycles: free its memory now, not inside the next measurement
             torch.cuda.empty_cache()

@@ -123,6 +123,26 @@ for step in $STEPS; do
         --gen 256 --repeats "${REPEATS:-5}" --sections engine --kernel-settings "$KERNEL_SETTINGS" \
         --out "$OUT/gate16_256.json" 2>&1 | quiet >"$OUT/gate16_256.log"
       echo "gate16_256 rc $?"; grep '"vs_better"' "$OUT/gate16_256.log" ;;
+    tp)  # issue 30 (needs nvidia-h200-x2): the 8B shape's decode forward at batch 1 and 32, adapters off and on, at
+      # TP=1 then TP=2 (the step_ms ratio is the speed-up; rank 0's graph cannot be replayed alone, so no gpu_ms at
+      # TP=2), then open-loop bursts with speculation gated at TP=1 and TP=2
+      for tp in 1 2; do
+        timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
+          --sections forward --tp $tp --kernel-settings "$KERNEL_SETTINGS" \
+          --out "$OUT/tp$tp-forward_8b.json" 2>&1 | quiet >"$OUT/tp$tp-forward_8b.log"
+        echo "tp$tp forward rc $?"; grep -E '"step_ms"|Error' "$OUT/tp$tp-forward_8b.log" | head -8
+        pack
+      done
+      for tp in 1 2; do
+        timeout 240 python3 bench/serve_load.py --shape llama-3.1-8b --tp $tp --runs burst burst --requests 300 \
+          --warmup 50 --spec 4 --out "$OUT/tp$tp-burst_8b.json" 2>"$OUT/tp$tp-burst_8b.log" >/dev/null
+        echo "tp$tp burst rc $?"; grep '^run \|crash\|Error' "$OUT/tp$tp-burst_8b.log"
+        pack
+      done
+      # the TP tests: the CPU ones (gloo) and the two-GPU one (NCCL, Triton kernels, CUDA graphs)
+      timeout 200 python3 -m pytest tests/engine_ext/test_tensor_parallel.py -q -p no:cacheprovider \
+        >"$OUT/tp_tests.log" 2>&1
+      echo "tp tests rc $?: $(tail -1 "$OUT/tp_tests.log")" ;;
     8b)  # the 8B shape, base and plain
       timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
         --sections forward --kernel-settings "$KERNEL_SETTINGS" \

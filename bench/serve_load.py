@@ -323,6 +323,7 @@ def main() -> None:
                     help="torch intra-op threads on a CPU (1 is fastest for the tiny shape on a shared machine)")
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = args.modes or ["plain" if not args.spec else "forced" if args.no_gate else "gated"]
@@ -340,7 +341,7 @@ def main() -> None:
     model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu, MIXES[args.mix])
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
     cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
-                        args.compile_cache, args.debug_checks)
+                        args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp)
     before = _cache_entries(args.compile_cache)
     engine = LLMEngine(cfg)
     for n, p in adapters.items():
@@ -350,7 +351,7 @@ def main() -> None:
     ready_entries = _cache_entries(args.compile_cache)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
-    result = {"machine": machine(), "shape": args.shape, "spec": args.spec, "modes": modes, "mix": args.mix,
+    result = {"machine": machine(), "shape": args.shape, "tp": args.tp, "spec": args.spec, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
               "startup": startup, "cache_entries_before": before,
               "cache_entries_ready": ready_entries, "runs": []}

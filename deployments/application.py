@@ -17,6 +17,7 @@ from deployments.config import AppConfig, load_config
 from deployments.ingress import OpenAIIngress
 from deployments.llm_deployment import LLMDeployment
 from deployments.placement import PlacementControllerDeployment
+from deployments.replica_resources import llm_replica_resources
 from deployments.warm_start import launcher_command
 from router.ray_router import ROUTER_CLASS_PATH
 
@@ -37,17 +38,15 @@ def bind_app(cfg: AppConfig):
     runtime_env: dict[str, Any] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
     if cfg.warm_start:
         runtime_env["py_executable"] = launcher_command()
+    resources = llm_replica_resources(cfg)  # with tensor parallelism, a placement group of one bundle per rank
+    resources["ray_actor_options"] |= {"runtime_env": runtime_env}
     llm = LLMDeployment.options(
         num_replicas=cfg.num_replicas,
         max_ongoing_requests=cfg.max_ongoing_requests,
         request_router_config=router,
         health_check_period_s=cfg.health_check_period_s,
         health_check_timeout_s=cfg.health_check_timeout_s,
-        ray_actor_options={
-            "num_cpus": cfg.num_cpus_per_replica,
-            "num_gpus": cfg.num_gpus_per_replica,
-            "runtime_env": runtime_env,
-        },
+        **resources,
     ).bind(cfg.model_dump(mode="json"), placement)
     return OpenAIIngress.options(
         num_replicas=cfg.ingress_replicas,

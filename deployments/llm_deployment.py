@@ -79,7 +79,7 @@ class LLMDeployment:
 
     def check_health(self) -> None:
         if not self.server.engine.is_alive():
-            raise RuntimeError("engine loop thread died")
+            raise RuntimeError("engine loop thread died, or a tensor-parallel rank did")
 
     async def __del__(self):
         await self.server.stop()

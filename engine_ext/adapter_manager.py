@@ -18,18 +18,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .adapter_slots import AdapterSlots, PackedAdapter, pack_adapter
-from .lora_adapter import AdapterError, load_lora_adapter
+from .lora_adapter import AdapterError, LoRAWeights, load_lora_adapter
 from .model_config import ModelSpec
 from .stats import EngineStats
 
 
 class AdapterManager:
     def __init__(self, spec: ModelSpec, model_dir: str, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device, stats: EngineStats | None = None):
+                 dtype: torch.dtype, device: torch.device, stats: EngineStats | None = None,
+                 slots: AdapterSlots | None = None, pack: Callable[[LoRAWeights], PackedAdapter] | None = None):
+        """spec: the whole model (adapters are checked against it). slots, pack: the device slots and how a parsed
+        adapter is packed for them (tensor parallelism: each rank's part, parallel/adapters.py); None: slots for
+        the whole model, and an adapter packed as one of their rows."""
         self.spec, self.model_dir, self.max_rank = spec, model_dir, max_rank
         self.dtype, self.device = dtype, device
         self.max_cpu_loras = max_cpu_loras
-        self.slots = AdapterSlots(spec, max_loras, max_rank, dtype, device)
+        self.slots = slots or AdapterSlots(spec, max_loras, max_rank, dtype, device)
+        self.pack = pack or (lambda weights: pack_adapter(weights, spec, dtype, pin=self.device.type == "cuda"))
         self.paths: dict[str, str] = {}
         self.pinned: set[str] = set()
         self.stats = stats or EngineStats()  # loads and disk loads per adapter (the engine's stats object)
@@ -88,7 +93,7 @@ class AdapterManager:
     def _parse(self, name: str, path: str) -> PackedAdapter:
         start = time.perf_counter()
         weights = load_lora_adapter(name, path, self.spec, self.max_rank, self.model_dir)
-        packed = pack_adapter(weights, self.spec, self.dtype, pin=self.device.type == "cuda")
+        packed = self.pack(weights)
         with self._lock:
             stats = self.stats.adapter(name)
             stats.disk_loads += 1

@@ -151,8 +151,9 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     def is_alive(self) -> bool:
-        """The step loop's thread is running (it outlives a failed step: see `_loop`)."""
-        return self._thread.is_alive()
+        """The step loop's thread is running (it outlives a failed step: see `_loop`) and so is every tensor-parallel
+        rank (a dead one fails every step: Serve replaces the replica on this answer)."""
+        return self._thread.is_alive() and self.engine.ranks.alive()
 
     def stats(self) -> dict:
         with self._lock:
@@ -162,3 +163,4 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+        self.engine.close()

@@ -41,6 +41,15 @@ class EngineConfig:
     # layer's config, resolved where the model is); an engine needs one.
     model: str | None = None
     device: str = "cpu"
+    # Tensor parallelism (parallel/): the model sharded over this many ranks, one process each; rank 0 is the
+    # engine's own process on `device`, ranks 1.. are worker processes it starts (on a GPU, rank r on the r-th
+    # device from `device`'s index: "cuda" or "cuda:0" takes cuda:0 .. cuda:N-1). The model's heads and
+    # intermediate size must split over it (checked when the model is read).
+    tensor_parallel_size: int = 1
+    # How long a collective waits for a rank that is alive but does not answer before it fails the engine (a rank
+    # that exits fails it at once). Generous: a first forward may compile kernels on one rank and not another.
+    # Starting (the ranks joining, loading their shards) may take up to parallel/comm.JOIN_TIMEOUT_S instead.
+    tp_timeout_s: float = 120.0
     dtype: str = "float32"
     max_loras: int = 8  # adapter slots on the device
     max_lora_rank: int = 64
@@ -95,11 +104,16 @@ class EngineConfig:
         self.torch_dtype = _DTYPES[self.dtype]
         if self.model is not None and not os.path.isdir(self.model):
             raise FileNotFoundError(f"model directory not found: {self.model}")
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "block_size", "max_num_seqs"):
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "block_size", "max_num_seqs",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras (device slots are filled from the host cache)")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda") and _cuda_index(self.device) < 0:
+            raise ValueError(f"device {self.device!r}: tensor parallelism needs 'cuda' or 'cuda:<index>'")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         for name, choices in (("lora_backend", LORA_BACKENDS), ("attn_backend", ATTN_BACKENDS),
@@ -121,7 +135,21 @@ class EngineConfig:
         if self.max_graph_tokens < 1:
             raise ValueError("max_graph_tokens must be >= 1")
 
+    def rank_device(self, rank: int) -> str:
+        """The device tensor-parallel rank `rank` runs on: "cpu" for every rank on a CPU."""
+        if not self.device.startswith("cuda"):
+            return self.device
+        return f"cuda:{_cuda_index(self.device) + rank}"
+
     @property
     def uses_triton(self) -> bool:
         """Whether any kernel choice is a Triton one (those compile, and need Triton installed)."""
         return "triton" in (self.lora_backend, self.attn_backend, self.layer_ops)
+
+
+def _cuda_index(device: str) -> int:
+    """The index of a "cuda" or "cuda:<k>" device (0 for "cuda"); -1 for any other spelling."""
+    head, _, index = device.partition(":")
+    if head != "cuda":
+        return -1
+    return int(index) if index.isdigit() else (0 if not index else -1)

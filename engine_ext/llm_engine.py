@@ -22,7 +22,7 @@ from .executor import Step, StepExecutor
 from .flight import Flight
 from .lora_adapter import AdapterError
 from .model_config import load_model_spec
-from .model_runner import ModelRunner
+from .parallel.ranks import build_ranks
 from .output_processor import OutputProcessor
 from .prefix_cache import root_hash
 from .sampling_params import SamplingParams
@@ -61,11 +61,14 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.lookahead = config.speculative.num_draft_tokens if config.speculative else 0
-        self.runner = ModelRunner(config, self.spec, self.device, max_model_len=self.max_model_len,
-                                  lookahead=2 * self.lookahead + 1)
+        # One runner, or rank 0 of config.tensor_parallel_size (its worker ranks started here, stopped by close())
+        self.ranks = build_ranks(config, self.spec, self.device, max_model_len=self.max_model_len,
+                                 lookahead=2 * self.lookahead + 1)
+        self.runner = self.ranks.runner
         self.counters = EngineStats()
         self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
-                                       config.max_lora_rank, config.torch_dtype, self.device, self.counters)
+                                       config.max_lora_rank, config.torch_dtype, self.device, self.counters,
+                                       self.ranks.slots, self.ranks.pack)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
         self.set_prefix_caching(config.enable_prefix_caching)
@@ -373,6 +376,11 @@ class LLMEngine:
                 if out.finished and out.request_id in ids:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def close(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine (also done when the engine is collected or the process
+        exits); nothing for one rank."""
+        self.ranks.close()
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

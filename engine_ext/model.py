@@ -7,6 +7,11 @@ q/k/v and gate/up are fused into single matrix products; their LoRA deltas land 
 The element-wise work between the products is the `LayerOps` the model is built with: TorchOps below, or
 the fused Triton kernels (kernels/triton_fused.TritonOps), which can also take the LoRA math of
 decode-sized forwards (DecoderLayer.fused_lora).
+
+Tensor parallelism (parallel/layout.py): a model built with a rank's ShardLayout holds that rank's heads,
+intermediate columns and vocab rows; its collectives (parallel/comm.py) sum the o and down products (with their
+LoRA partials) and the embedding over the ranks, and join the logits' vocab columns. One rank's collectives do
+nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from .attention import AttnMetadata, paged_attention, write_kv
 from .constants import LORA_GROUPS
 from .lora_ops import LoRAOp
 from .model_config import ModelLoadError, ModelSpec
+from .parallel.comm import ONE_RANK, Collectives, SingleRank
+from .parallel.layout import ShardLayout
 from .rope import apply_rope, cos_sin, inv_frequencies
 from .weights import iter_tensors
 
@@ -125,9 +132,11 @@ class LayerInputs:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, index: int):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, index: int,
+                 comm: Collectives | SingleRank = ONE_RANK):
+        """spec: the model as this rank holds it (ShardLayout.local); comm: the ranks' collectives."""
         super().__init__()
-        self.spec, self.index = spec, index
+        self.spec, self.index, self.comm = spec, index, comm
         h, qkv = spec.hidden_size, spec.q_size + 2 * spec.kv_size
         e = dict(dtype=dtype)
         self.input_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
@@ -160,6 +169,7 @@ class DecoderLayer(nn.Module):
         o = ops.linear(attn, self.o)
         if lora is not None:
             lora.add_group(i, "o", o, attn)
+        o = self.comm.all_reduce(o)  # row-parallel: the ranks' partial products (and LoRA partials) summed
         x, h, _ = ops.add_rms_norm(x, o, self.post_norm, eps)
         gate_up = ops.linear(h, self.gate_up)
         if lora is not None:
@@ -168,7 +178,7 @@ class DecoderLayer(nn.Module):
         down = ops.linear(act, self.down)
         if lora is not None:
             lora.add_group(i, "down", down, act)
-        return x, down
+        return x, self.comm.all_reduce(down)
 
     def fused_lora(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, extra: torch.Tensor | None,
                    kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs,
@@ -185,6 +195,7 @@ class DecoderLayer(nn.Module):
             extra = ops.lora_delta(attn, *lora.group_args(i, "o"))
         o = ops.linear(attn, self.o)
         branch.join()
+        o, extra = self._reduce(o, extra)
         x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
         gate_up = ops.linear(h, self.gate_up)
         act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
@@ -192,20 +203,36 @@ class DecoderLayer(nn.Module):
             extra = ops.expand_delta(*lora.expand_args(i, "down", part))
         down = ops.linear(act, self.down)
         branch.join()
+        down, extra = self._reduce(down, extra)
         return x, down, extra
+
+    def _reduce(self, y: torch.Tensor, extra: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A row-parallel product and its float32 LoRA delta summed over the ranks: one all-reduce of their sum
+        (one rank: both unchanged, for the next norm kernel to add)."""
+        if self.comm.size == 1:
+            return y, extra
+        if extra is not None:
+            y = (y.float() + extra).to(y.dtype)
+        return self.comm.all_reduce(y), None
 
 
 class CausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, ops: LayerOps):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, ops: LayerOps, layout: ShardLayout | None = None,
+                 comm: Collectives | SingleRank = ONE_RANK):
+        """spec: the full model; layout: the part of it this rank holds (None: all of it); comm: the ranks'
+        collectives (ONE_RANK for one)."""
         super().__init__()
-        self.spec = spec
+        self.layout = layout or ShardLayout(spec, 0, 1)
+        self.spec, self.comm = spec, comm
+        local = self.layout.local
         self.ops = ops  # the element-wise work between the matrix products
         e = dict(dtype=dtype)
-        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, **e), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, i) for i in range(spec.num_layers))
+        vocab = self.layout.vocab_rows
+        self.embed = nn.Parameter(torch.empty(vocab, spec.hidden_size, **e), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(local, dtype, i, comm) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.empty(spec.hidden_size, **e), requires_grad=False)
         self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(
-            torch.empty(spec.vocab_size, spec.hidden_size, **e), requires_grad=False
+            torch.empty(vocab, spec.hidden_size, **e), requires_grad=False
         )
         self.register_buffer("inv_freq", inv_frequencies(spec.rope, spec.head_dim), persistent=False)
         # cos/sin [positions, head_dim] for every position a forward may see (build_rope_table); without it each
@@ -216,7 +243,7 @@ class CausalLM(nn.Module):
     def load_weights(self, model_dir: str) -> None:
         spec, pending = self.spec, {}
         for name, tensor in iter_tensors(model_dir):
-            pending[name] = tensor
+            pending[name] = self.layout.weight(name, tensor)  # this rank's part (all of it for one rank)
         def take(name: str) -> torch.Tensor:
             try:
                 return pending.pop(name)
@@ -259,7 +286,7 @@ class CausalLM(nn.Module):
         lora: LoRABatch | None,
     ) -> torch.Tensor:  # [N, vocab] in the model's dtype (callers upcast where they need float32)
         ops = self.ops
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         if self.rope_table is not None:  # rows looked up by position inside the rotary op
             (cos, sin), positions = self.rope_table, meta.positions
         else:
@@ -274,7 +301,20 @@ class CausalLM(nn.Module):
                 x, delta = layer.plain(ops, x, delta, kv_cache, inp)
         # the final norm reads only the rows whose logits are wanted
         _, x, _ = ops.add_rms_norm(x, delta, self.norm, self.spec.rms_norm_eps, None, extra, rows=logits_indices)
-        return ops.linear(x, self.lm_head)
+        logits = ops.linear(x, self.lm_head)
+        if self.comm.size == 1:
+            return logits
+        return self.comm.gather_columns(logits)[:, : self.spec.vocab_size]  # every rank's vocab rows, unpadded
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]. Vocab-parallel: each rank looks up the ids in its rows (zeros for the others'), and
+        the sum over the ranks is every token's row (exact: one term is the row, the rest are zero)."""
+        if self.comm.size == 1:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.layout.vocab_start
+        mine = (local >= 0) & (local < self.layout.vocab_rows)
+        x = F.embedding(local.clamp(0, self.layout.vocab_rows - 1), self.embed) * mine[:, None].to(self.embed.dtype)
+        return self.comm.all_reduce(x)
 
     def folds_lora(self, lora: LoRABatch | None, num_tokens: int) -> bool:
         """Whether a forward's LoRA math goes into the element-wise kernels (DecoderLayer.fused_lora): with ops

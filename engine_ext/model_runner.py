@@ -15,6 +15,8 @@ from .config import EngineConfig
 from .staging import Staging
 from .model import CausalLM, LoRABatch
 from .model_config import ModelSpec
+from .parallel.comm import ONE_RANK, Collectives, SingleRank
+from .parallel.layout import ShardLayout
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +41,25 @@ def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device, max_
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, *, max_model_len: int,
-                 lookahead: int):
+                 lookahead: int, layout: ShardLayout | None = None,
+                 comm: Collectives | SingleRank = ONE_RANK):
         """max_model_len: the longest sequence served; lookahead: positions past it a forward may touch (drafts, and
-        a step queued before the one before it was read). The engine derives both once and passes them down."""
+        a step queued before the one before it was read). The engine derives both once and passes them down.
+        layout, comm: the part of the model this tensor-parallel rank holds and the ranks' collectives (None and
+        ONE_RANK: one rank, the whole model); the KV cache holds this rank's KV heads."""
         self.config, self.spec, self.device = config, spec, device
+        local = (layout or ShardLayout(spec, 0, 1)).local
         backend = Backend.from_config(config, device)
         with torch.device(device):
-            self.model = CausalLM(spec, config.torch_dtype, backend.layer_ops)
+            self.model = CausalLM(spec, config.torch_dtype, backend.layer_ops, layout, comm)
         self.model.load_weights(config.model)
         self.model.eval()
         self.max_positions = max_model_len + lookahead + 1  # a token may sit `lookahead` past the limit
         self.model.build_rope_table(self.max_positions)
-        self.num_blocks = _kv_blocks(config, spec, device, self.max_positions)
+        # every rank's cache has as many blocks: the block manager's ids address all of them
+        self.num_blocks = comm.min_int(_kv_blocks(config, local, device, self.max_positions))
         # With CUDA graphs one extra block, never handed out, takes the KV of padding tokens.
-        shape = (self.num_blocks + int(config.cuda_graphs), config.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (self.num_blocks + int(config.cuda_graphs), config.block_size, local.num_kv_heads, local.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=config.torch_dtype, device=device),
              torch.zeros(shape, dtype=config.torch_dtype, device=device))
