@@ -81,11 +81,14 @@ for step in $STEPS; do
     prefix)  # issue 29: shared-prefix chat traffic (20 adapters, 1,000-token system prompts, 3-turn sessions) and its
       # unshared control, prefix caching off and on, on one engine per shape (PREFIX_SHAPES; PREFIX_SESSIONS, PREFIX_RATE_1B/_8B sessions a second)
       for shape in ${PREFIX_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
-        case $shape in *8b) rate=${PREFIX_RATE_8B:-2} sessions=30 limit=140 ;; *) rate=${PREFIX_RATE_1B:-4} sessions=40 limit=100 ;; esac
+        # limits with room for a cold start (random weights written, Triton compiling, graphs captured): the 8B shape
+        # takes most of a call alone
+        case $shape in *8b) rate=${PREFIX_RATE_8B:-2} sessions=24 limit=${PREFIX_TIMEOUT_8B:-420} ;;
+          *) rate=${PREFIX_RATE_1B:-4} sessions=40 limit=${PREFIX_TIMEOUT_1B:-240} ;; esac
         timeout $limit python3 bench/prefix_load.py --shape $shape --adapters 20 --system-len 1000 \
           --sessions ${PREFIX_SESSIONS:-$sessions} --turns 3 --session-rate $rate --think-s 1 \
           --out "$OUT/prefix-$shape.json" 2>"$OUT/prefix-$shape.log" >/dev/null
-        echo "prefix $shape rc $?"; grep '^compare\|^run\|Error' "$OUT/prefix-$shape.log"
+        echo "prefix $shape rc $?"; grep '^startup\|^warmed\|^compare\|^run\|Error' "$OUT/prefix-$shape.log"
         pack
       done ;;
     coldstart)  # 300 requests at 10/s right after start-up from an empty Triton cache, then again with it filled

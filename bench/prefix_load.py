@@ -23,6 +23,7 @@ traffic, on over off for TTFT p50/p99 and throughput, and whether the outputs we
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -114,6 +115,8 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-sessions", type=int, default=4,
+                    help="sessions of chat traffic replayed unrecorded first, caching off then on (first-use costs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -143,6 +146,14 @@ def main() -> None:
 
     def params_for(r: Request):
         return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+
+    print("startup", json.dumps(result["startup"]), file=sys.stderr, flush=True)
+    if args.warmup_sessions:  # other seeds: nothing of it is cached for the measured runs
+        warm = dataclasses.replace(chat, sessions=args.warmup_sessions, seed=args.seed + 1000)
+        for caching in (False, True):
+            engine.set_prefix_caching(caching)
+            replay(engine, chat_traffic(warm), WallClock(), params_for)
+        print("warmed up", file=sys.stderr, flush=True)
 
     for traffic in args.traffics:
         requests = chat_traffic(chat, shared=traffic == "chat")

@@ -34,7 +34,7 @@ def test_caching_off_and_on_serve_the_same_tokens_and_only_shared_prefixes_hit(t
     cmd = [sys.executable, str(ROOT / "bench" / "prefix_load.py"), "--device", "cpu", "--shape", "tiny",
            "--adapters", "3", "--max-loras", "3", "--rank", "8", "--system-len", "48", "--sessions", "6",
            "--turns", "2", "--session-rate", "4", "--think-s", "1.0", "--user-len", "4", "8", "--answer-len", "4", "6",
-           "--cpu-threads", "1", "--work-dir", str(tmp_path), "--out", str(out)]
+           "--cpu-threads", "1", "--warmup-sessions", "1", "--work-dir", str(tmp_path), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
