@@ -27,7 +27,10 @@ def test_operator_walk_runs_as_printed_from_an_empty_directory(serve_app, tmp_pa
     assert len(blocks) >= 8 and any("curl" in b for b in blocks) and any("lora-registry push" in b for b in blocks)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LORA", "OPENAI", "REGISTRY"))}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    # the walk as printed, against the test's app: its URL, and its base model (the quick toy demo, "demo")
     script = "\n".join(blocks).replace("http://127.0.0.1:8000", serve_app.base_url)
+    assert script.count("export BASE=smollm2") == 1 and "demo" not in script
+    script = script.replace("export BASE=smollm2", "export BASE=demo")
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
