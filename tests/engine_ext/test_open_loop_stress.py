@@ -10,7 +10,6 @@ CUDA graphs on a GPU (marked `gpu`, run on the device)."""
 import dataclasses
 
 import pytest
-import torch
 
 from bench.serve_load import StepClock, replay
 from bench.traffic import TrafficConfig, generate
@@ -25,13 +24,8 @@ MODES = {"plain": None, "gated-k4": SpecConfig(num_draft_tokens=4), "forced-k3":
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one intra-op thread is fastest, and on a shared 2-core machine a second thread spinning
-    at every barrier made each step up to 30x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread(one_torch_thread):
+    """One torch thread here (and so in each process it starts: see conftest.one_torch_thread)."""
 
 
 @pytest.fixture(scope="module")

@@ -54,12 +54,8 @@ def run(engine, spec, prompts=PROMPTS, names=NAMES):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread in this process (and so in each worker): two ranks on a shared CPU stay fast and steady."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread(one_torch_thread):
+    """One torch thread here (and so in each process it starts: see conftest.one_torch_thread)."""
 
 
 @pytest.fixture(scope="module")
