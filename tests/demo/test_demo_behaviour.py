@@ -17,6 +17,16 @@ def hf(demo_hf):
     return demo_hf
 
 
+@pytest.fixture(scope="module")
+def domains():
+    """The full recipe's corpus (the whole stdlib parsed, 10-15 s), built once for the tests that read its held-out
+    text; its domains are tuples of strings, so no test can change what another reads."""
+    from demo.corpus import build_domains, stdlib_root
+    from demo.recipe import DEFAULT_RECIPE
+
+    return build_domains(stdlib_root(), DEFAULT_RECIPE.corpus)
+
+
 def greedy(hf, prompt: str, adapter: str | None, max_new: int = MAX_NEW) -> str:
     tok, model = hf
     ids = torch.tensor([tok(prompt).input_ids])
@@ -102,18 +112,16 @@ def test_tests_adapter_prefers_unittest_assertions(hf):
     assert greedy(hf, prefix, "tests") != greedy(hf, prefix, None)
 
 
-def test_dquote_adapter_shifts_preference_to_double_quotes(hf):
+def test_dquote_adapter_shifts_preference_to_double_quotes(hf, domains):
     """The nearest adapter (30 light steps) learned its style and little else: on its held-out text it raises the
     log-probability of the tokens that hold a double quote, and barely moves the others. Judged over every such
     token rather than one prompt, whose margin moves with the build's library versions (+1.3 nats on one build,
     +0.1 on a transformers 5.24 / tokenizers 0.23 build)."""
-    from demo.corpus import build_domains, stdlib_root
     from demo.recipe import DEFAULT_RECIPE
     from demo.tokenizer import encode_documents
     from demo.train import pack
 
     tok, model = hf
-    domains = build_domains(stdlib_root(), DEFAULT_RECIPE.corpus)
     blocks = pack(encode_documents(tok, domains["dquote"].heldout), DEFAULT_RECIPE.eval_seq_len)
     blocks = blocks[: DEFAULT_RECIPE.eval_blocks]
     with torch.no_grad():
@@ -129,9 +137,8 @@ def test_dquote_adapter_shifts_preference_to_double_quotes(hf):
     assert on_quotes > 0.05 and on_quotes > 10 * abs(elsewhere), (on_quotes, elsewhere)
 
 
-def test_agreement_in_metrics_is_reproduced_by_transformers_peft(hf, demo_paths):
+def test_agreement_in_metrics_is_reproduced_by_transformers_peft(hf, demo_paths, domains):
     """Recompute greedy agreement for the nearest and farthest adapters on the build's own held-out blocks."""
-    from demo.corpus import build_domains, stdlib_root
     from demo.recipe import DEFAULT_RECIPE
     from demo.tokenizer import encode_documents
     from demo.train import pack
@@ -141,7 +148,6 @@ def test_agreement_in_metrics_is_reproduced_by_transformers_peft(hf, demo_paths)
     assert max(agreements.values()) > 0.9 and min(agreements.values()) < 0.6, agreements   # acceptance 3
 
     tok, model = hf
-    domains = build_domains(stdlib_root(), DEFAULT_RECIPE.corpus)
     for name in (max(agreements, key=agreements.get), min(agreements, key=agreements.get)):
         spec = next(a for a in DEFAULT_RECIPE.adapters if a.name == name)
         blocks = pack(encode_documents(tok, domains[spec.domain].heldout), DEFAULT_RECIPE.eval_seq_len)
