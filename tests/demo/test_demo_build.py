@@ -15,18 +15,29 @@ from demo.build import MANIFEST, file_hashes
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _cli_build(out: Path, *extra: str) -> dict:
-    """The real command, in its own process (it pins torch threads), with the tiny --quick recipe."""
-    proc = subprocess.run([sys.executable, "-m", "demo", "build", "--quick", "--out", str(out), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])   # contract: the last line is the JSON
+def _cli_builds(root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """The real command with the tiny --quick recipe, one process per build (it pins torch threads), all running at
+    once (a build is mostly single-threaded parsing): {name: its printed paths}, each built into root/name."""
+    procs = {name: subprocess.Popen([sys.executable, "-m", "demo", "build", "--quick", "--out", str(root / name),
+                                     *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, extra in runs.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[name] = json.loads(stdout.strip().splitlines()[-1])   # contract: the last line is the JSON
+    return out
 
 
 @pytest.fixture(scope="module")
-def two_same_seed_builds(tmp_path_factory):
-    root = tmp_path_factory.mktemp("determinism")
-    return _cli_build(root / "a"), _cli_build(root / "b")
+def builds(tmp_path_factory) -> dict[str, dict]:
+    """"a" and "b" with the recipe's seed, "c" with seed 7."""
+    return _cli_builds(tmp_path_factory.mktemp("determinism"), {"a": (), "b": (), "c": ("--seed", "7")})
+
+
+@pytest.fixture(scope="module")
+def two_same_seed_builds(builds):
+    return builds["a"], builds["b"]
 
 
 def test_cli_prints_model_and_adapter_dirs(two_same_seed_builds):
@@ -43,9 +54,8 @@ def test_same_seed_gives_identical_tokenizer_and_weights(two_same_seed_builds):
     assert a == b
 
 
-def test_another_seed_gives_other_weights(two_same_seed_builds, tmp_path):
-    same, _ = two_same_seed_builds
-    other = _cli_build(tmp_path / "c", "--seed", "7")
+def test_another_seed_gives_other_weights(builds):
+    same, other = builds["a"], builds["c"]
     h_same, h_other = file_hashes(Path(same["model"]).parent), file_hashes(Path(other["model"]).parent)
     assert h_same["model/tokenizer.json"] == h_other["model/tokenizer.json"]   # the corpus does not depend on it
     assert h_same["model/model.safetensors"] != h_other["model/model.safetensors"]
