@@ -90,6 +90,11 @@ class LocalRayCluster:
     """`ray start --head --block` in its own process group, every port free and on loopback, its own temp dir
     (so no other Ray session on the machine finds it); stopped by ending exactly what it started."""
 
+    # `stop` signals the whole group, the GCS with it, so the node's drain on SIGTERM (a GCS call, then a wait for
+    # the raylet) could only time out: 30 s by default, the longest part of this test. Ray's own knob; the app
+    # never reads it.
+    NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
     def __init__(self, env: dict[str, str], num_cpus: int = 4):
         (self.gcs, self.dashboard, self.http, agent, agent_grpc, runtime_env, node_mgr, obj_mgr, client,
          metrics) = _ports(10)
@@ -104,7 +109,8 @@ class LocalRayCluster:
              f"--runtime-env-agent-port={runtime_env}", f"--node-manager-port={node_mgr}",
              f"--object-manager-port={obj_mgr}", f"--ray-client-server-port={client}",
              f"--metrics-export-port={metrics}"],
-            env=env, cwd=self.temp_dir, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            env=env | self.NO_DRAIN, cwd=self.temp_dir, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -117,7 +123,7 @@ class LocalRayCluster:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.2)
         raise TimeoutError(f"ray start did not come up: {Path(self.log.name).read_text()[-3000:]}")
 
     def serve(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
@@ -165,7 +171,7 @@ def _wait_for_models(base_url: str, want: set[str], cluster: LocalRayCluster, ti
                 return r.json()["data"]
         except httpx.HTTPError as e:
             last = repr(e)
-        time.sleep(2)
+        time.sleep(0.5)
     status = cluster.serve("status", "--address", f"http://127.0.0.1:{cluster.dashboard}").stdout
     raise AssertionError(f"/v1/models never listed {sorted(want)}; last answer: {last}\nserve status:\n{status}")
 
