@@ -217,6 +217,10 @@ class LLMEngine:
             outputs += self._read(None)
             batch = self.scheduler.schedule(lookahead=self.gate.lookahead, max_model_len=self.max_model_len)
         flight, plan = self._launch(ctx, batch, start)
+        # Issue the adapter copies this scheduling activated: after the forward it queued, so their host time overlaps
+        # the device's work; and also when it queued none (an idle engine's first request for an adapter), or the
+        # copy would never start and the request would wait for it forever.
+        self.adapters.slots.flush()
         outputs += self._read(flight)
         self._flight, self._flight_plan = flight, plan
         self.counters.steps += flight is not None
@@ -232,7 +236,6 @@ class LLMEngine:
         step = Step(plan.seqs, rows, plan.passes, join=self._joiner(batch, plan, ctx), first=first)
         flight = self.executor.launch(step, self._flight)
         flight.launched = start  # its time runs from its scheduling to the next step's
-        self.adapters.slots.flush()  # a copy activated in a step that ran no forward (the runner flushes after one)
         return flight, plan
 
     def _joiner(self, batch: ScheduledBatch, plan: Plan, ctx: StepContext):
