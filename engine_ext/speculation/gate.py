@@ -116,7 +116,8 @@ class Gate:
         self.last_margin: float | None = None  # how much faster plain was priced, when decide chose plain on cost
         self._probed = False  # the last cycle was a probe, and no decision since has judged it
         self._reserve = True  # reserve drafting room at the next schedule
-        self._hold, self._hold_names = 0, []  # plain steps left without re-pricing, and for which batch
+        # plain steps left without re-pricing, and the batch they hold for: its adapters, its sequences' draft caps
+        self._hold, self._hold_batch = 0, (frozenset(), [])
 
     # ------------------------------------------------------------ the step
     @property
@@ -182,7 +183,8 @@ class Gate:
             self.count(Decision.PLAIN_LOW_ACCEPTANCE, "every adapter's acceptance is below the drafting threshold")
             self._reserve = False
             return None
-        if self._hold and names == self._hold_names and not self.probe_due():
+        caps = [self._cap(s) for s in lora]
+        if self._hold and self.holds_for(names, caps) and not self.probe_due():
             self._hold -= 1
             self.count(Decision.PLAIN_HOLD, "a recent cost decision chose plain for this batch by a wide margin")
             self._reserve = not self._hold
@@ -191,11 +193,10 @@ class Gate:
             self.count(Decision.PLAIN_UNRESERVED, "no drafting room reserved this step")
             self._reserve = True
             return None
-        caps = [self._cap(s) for s in lora]
         left = [s.tokens_left(self.max_model_len) for s in lora] if batch.closed else None
         lengths = self.draft_lengths(names, caps, decoding, left, ride)
         speculate = self.decide(names, lengths, num_base, caps, left, ride, prompts=len(batch.seqs) - decoding)
-        self._hold, self._hold_names = (0 if speculate else self.hold_steps()), names
+        self._hold, self._hold_batch = (0 if speculate else self.hold_steps()), (frozenset(names), caps)
         self._reserve = not self._hold
         return lengths if speculate else None
 
@@ -260,6 +261,23 @@ class Gate:
         if self.last_margin is None:
             return 0
         return min(self.MAX_HOLD, int(self.last_margin / 0.02))
+
+    HOLD_SPREAD = 4 / 3  # how far the batch may grow or shrink (either way) and still be held
+    HOLD_CAP_SLACK = 1.1  # how much more drafting room per sequence than priced it may have and still be held
+
+    def holds_for(self, names: list[str], caps: list[int]) -> bool:
+        """A hold applies to the batch it was priced for and to the batches the same decision prices alike: no
+        adapter it was not priced with (one might draft well), within HOLD_SPREAD of its size, and no more room to
+        draft per sequence than it had (a batch priced near its sequences' ends would draft little). At a burst,
+        sequences join and finish at nearly every step; re-pricing each time would cost a step without drafting
+        room (PLAIN_UNRESERVED) before every new decision."""
+        held, priced = self._hold_batch
+        if not priced or not set(names) <= held:
+            return False
+        size = len(priced)
+        if not size / self.HOLD_SPREAD <= len(caps) <= size * self.HOLD_SPREAD:
+            return False
+        return sum(caps) * size <= sum(priced) * len(caps) * self.HOLD_CAP_SLACK
 
     def note_step(self, adapters: list[str], lengths: list[int] | None) -> None:
         """After a step: the adapters that drafted nothing in it (every one, in a plain step; in a cycle, one whose

@@ -9,6 +9,8 @@ from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig, Step
 from engine_ext.speculation import Gate
 from engine_ext.speculation.acceptance import AdapterAcceptance, expected_tokens
 from engine_ext.speculation.cost import StepTimes
+from engine_ext.scheduler import ScheduledBatch
+from engine_ext.sequence import Sequence
 from engine_ext.stats import AdapterStats
 from tiny_models import build_adapter, build_model
 
@@ -389,6 +391,52 @@ def test_hold_steps_follow_the_margin_of_a_plain_decision():
     assert decided(0.070) == (False, 2)  # 5.6% ahead: two
     assert decided(0.073) == (False, 0)  # 1% ahead: priced again at the next step
     assert decided(0.080) == (True, 0)
+
+
+def _decoding(adapters: list[str]) -> list[Sequence]:
+    seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, ignore_eos=True), adapter=a)
+            for i, a in enumerate(adapters)]
+    for seq in seqs:
+        seq.output_token_ids.append(4)
+        seq.num_computed = 3  # its prompt's KV written: it decodes
+    return seqs
+
+
+def test_a_plain_hold_covers_the_batches_it_prices_alike_and_no_new_adapter():
+    """After a wide-margin plain decision, the next steps stay plain without re-pricing (and without drafting
+    room) while the batch is the one priced, give or take a third of its sequences (at a burst they join and
+    finish at every step), and not once an adapter joins that it was not priced with."""
+    def gate_and_step():
+        gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+        gate.adapter("x").ema = gate.adapter("y").ema = 0.9
+        for tokens in (5, 6, 7, 8, 9):
+            measure(gate, "base", tokens, 0, 0.040)
+            measure(gate, "lora", 3 * tokens, 1, 0.120)
+            measure(gate, "plain", tokens, 1, 0.041)  # plain far ahead: held for the most steps
+
+        def step(seqs, lookahead):
+            before = dict(gate.decisions)
+            plan = gate.plan(ScheduledBatch(seqs if isinstance(seqs[0], Sequence) else _decoding(seqs), lookahead=lookahead))
+            assert not plan.speculate
+            (decision,) = [d for d, n in gate.decisions.items() if n != before.get(d, 0)]
+            return decision, gate.lookahead
+        return step
+
+    step = gate_and_step()
+    assert step(["x"] * 6, 2) == ("plain_cost", 0)  # priced: plain by a wide margin, no drafting room next
+    assert step(["x"] * 7, 0) == ("plain_hold", 0)  # a sequence joined
+    assert step(["x"] * 5, 0) == ("plain_hold", 0)  # two finished
+    assert step(["x"] * 9, 0) == ("plain_unreserved", 2)  # half as large again: priced anew, once room is reserved
+    assert step(["x"] * 9, 2) == ("plain_cost", 0)
+    assert step(["x"] * 8, 0) == ("plain_hold", 0)
+    assert step(["x"] * 8 + ["y"], 0) == ("plain_unreserved", 2)  # an adapter it was not priced with
+    step = gate_and_step()
+    near_end = _decoding(["x"] * 8)
+    for seq in near_end:
+        seq.params = SamplingParams(max_tokens=3, ignore_eos=True)  # two tokens left: one draft at most
+    assert step(near_end, 2) == ("plain_cost", 0)
+    assert step(near_end, 0) == ("plain_hold", 0)
+    assert step(["x"] * 8, 0) == ("plain_unreserved", 2)  # the same batch with room to draft is priced again
 
 
 def test_plain_held_without_repricing_and_still_plain_decodings_tokens(model):
