@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from router.placement import PlacementConfig
 from router.policy import AffinityConfig
 
-__all__ = ["AppConfig", "ConfigError", "RateSpec", "load_config", "DEFAULT_API_KEY", "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
+__all__ = ["AppConfig", "ConfigError", "RateSpec", "RefusalHoldSpec", "load_config", "DEFAULT_API_KEY",
+           "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,15 @@ class RateSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     rate: float = Field(gt=0, description="requests per second refilled")
     burst: float = Field(ge=1, description="bucket size: requests allowed back to back")
+
+
+class RefusalHoldSpec(BaseModel):
+    """Slowing a caller that keeps sending after its 429s (deployments.rate_limit.RefusalHold)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    hold_s: float = Field(1.0, ge=0, le=30, description="how long its further 429s are held; 0: never held")
+    after: int = Field(20, ge=0, description="refusals of one caller within a second before its answers are held")
+    max_held: int = Field(64, ge=0, description="answers held at a time per ingress replica; more are answered at once")
 
 
 class AppConfig(BaseModel):
@@ -110,6 +120,7 @@ class AppConfig(BaseModel):
     tenant_rates: dict[str, RateSpec] = Field(default_factory=dict, description="per-tenant overrides")
     adapter_rate: RateSpec = RateSpec(rate=100, burst=200)
     adapter_rates: dict[str, RateSpec] = Field(default_factory=dict, description="per-adapter overrides")
+    refusal_hold: RefusalHoldSpec = RefusalHoldSpec()
     cold_load_concurrency: int = Field(2, ge=1, description="in-flight requests for an adapter not yet loaded")
     cold_load_wait_s: float = Field(30.0, gt=0, description="wait for a cold-load slot before answering 429")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")

@@ -18,7 +18,7 @@ from deployments.metrics import PlacementTiers, ServingMetrics
 from deployments.placement import PlacementReporter
 from deployments.openai_api import IngressDeps, create_openai_app
 from deployments.protocol import GenerateRequest, ReplicaUnavailable
-from deployments.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter
+from deployments.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
 from deployments.registry_view import RegistryView
 from router.keys import AdapterKey
 
@@ -82,6 +82,7 @@ class OpenAIIngress:
             llm=ServeLLMClient(llm, self.placement),
             limiter=RedisRateLimiter(redis_url, limiter, self.health) if redis_url else limiter,
             gate=ColdLoadGate(limit=cfg.cold_load_concurrency, wait_s=cfg.cold_load_wait_s),
+            hold=RefusalHold(**cfg.refusal_hold.model_dump()),
             metrics=metrics,
             readiness=self.view.probe,
             max_tokens_limit=cfg.max_tokens_limit,

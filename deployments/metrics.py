@@ -207,6 +207,8 @@ class ServingMetrics:
         self.batch = Histogram("loraserve_batch_size", "Running batch size seen by requests", buckets=_BATCH,
                                registry=r)
         self.rate_limited = Counter("loraserve_rate_limited", "429 answers by scope", ["scope"], registry=r)
+        self.refusals_held = Counter("loraserve_rate_limited_held", "429 answers held back because their caller "
+                                     "kept sending after its refusals (refusal_hold)", registry=r)
         self.cached_answers = Counter("loraserve_registry_cached_answers", "Answers from the last known registry "
                                       "state while the registry was unreachable, by what was asked", ["what"],
                                       registry=r)

@@ -32,7 +32,7 @@ from deployments.errors import APIError, BodyLimit
 from deployments.metrics import CONTENT_TYPE, ServingMetrics
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
 from deployments.protocol import GenerateRequest
-from deployments.rate_limit import ColdLoadGate, RateLimited, RateLimiter
+from deployments.rate_limit import ColdLoadGate, RateLimited, RateLimiter, RefusalHold
 from deployments.stream import StreamRun
 from registry.api_docs import api_docs_page
 from router.keys import AdapterKey
@@ -53,6 +53,8 @@ class LLMClient(Protocol):
 
 
 class Limiter(Protocol):
+    blocking: bool  # take() waits on I/O (it is called from a worker thread then)
+
     def take(self, scope: str, key: str) -> None: ...  # scope "tenant" or "adapter"; raises RateLimited
 
 
@@ -64,6 +66,8 @@ class IngressDeps:
     llm: LLMClient
     limiter: Limiter
     gate: ColdLoadGate
+    # answers to a caller refused over and over are held (its flood slowed), at most so many at a time
+    hold: RefusalHold = field(default_factory=RefusalHold)
     metrics: ServingMetrics = field(default_factory=ServingMetrics)
     max_tokens_limit: int = 4096
     default_completion_tokens: int = 16  # OpenAI's default for /v1/completions
@@ -98,13 +102,22 @@ def _tenant(deps: IngressDeps, request: Request) -> str:
     return tenant
 
 
-def _take(deps: IngressDeps, scope: str, key: str) -> None:
+async def _take(deps: IngressDeps, scope: str, key: str, tenant: str) -> None:
+    """One token of `key`'s bucket in `scope`, or a 429 for `tenant` (held while it keeps sending: RefusalHold)."""
     try:
-        deps.limiter.take(scope, key)
+        if deps.limiter.blocking:
+            await run_in_threadpool(deps.limiter.take, scope, key)
+        else:
+            deps.limiter.take(scope, key)
     except RateLimited as e:
         deps.metrics.rate_limited.labels(e.scope).inc()
-        raise APIError(429, str(e), code="rate_limit_exceeded",
-                       headers={"Retry-After": RateLimiter.retry_after_header(e)}) from None
+        retry_after = RateLimiter.retry_after_header(e)
+        refused = APIError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": retry_after})
+    else:
+        return
+    if await deps.hold.hold(tenant, float(retry_after)):
+        deps.metrics.refusals_held.inc()
+    raise refused
 
 
 def _unavailable(err: DependencyUnavailable) -> APIError:
@@ -230,11 +243,11 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
                 raise APIError(401, "/metrics needs the metrics token.", code="invalid_api_key")
         return Response(m.render(), media_type=CONTENT_TYPE)
 
-    def authenticated(request: Request) -> str:
+    async def authenticated(request: Request) -> str:
         # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first, and a tenant
-        # over its rate is 429 before its body is parsed.
+        # over its rate is 429 before its body is parsed. Async: no worker-thread hop for an in-process limiter.
         tenant = _tenant(deps, request)
-        _take(deps, "tenant", tenant)
+        await _take(deps, "tenant", tenant, tenant)
         return tenant
 
     def visible(records) -> list[tuple[str, Optional[str]]]:
@@ -284,7 +297,7 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
             sampling, explicit = _sampling(body, deps.default_chat_tokens if chat else deps.default_completion_tokens,
                                            deps.max_tokens_limit)
             if target.key is not None:
-                _take(deps, "adapter", target.name)
+                await _take(deps, "adapter", target.name, tenant)
             common = dict(n=body.n, max_tokens_explicit=explicit, submitted_at=deps.clock(), adapter_record=target.record)
             if chat:
                 messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]

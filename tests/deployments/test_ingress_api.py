@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.openai_api import IngressDeps, create_openai_app
-from deployments.rate_limit import ColdLoadGate, RateLimiter
+from deployments.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
 from serving_fakes import Disabled, FakeLLM, FakeResolver, NotFound, Rec
 
 KEY, OTHER = "sk-test-tenant-a", "sk-test-tenant-b"
@@ -277,3 +277,33 @@ def test_malformed_requests_count_against_the_callers_rate_limit():
     assert client.post("/v1/completions", headers={"Authorization": f"Bearer {OTHER}"},
                        json={"model": "tiny", "prompt": "x"}).status_code == 200  # another tenant is not held up
     assert llm.seen and all(req.prompt == "x" for req in llm.seen)
+
+
+def test_a_caller_that_keeps_sending_after_its_429s_has_them_held_and_others_are_not():
+    client, _, deps = make(tenant_rate=(0.001, 2))
+    deps.hold = RefusalHold(hold_s=0.05, after=3, max_held=8)
+    held = lambda: deps.metrics.registry.get_sample_value("loraserve_rate_limited_held_total")  # noqa: E731
+    codes = [client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": 5}).status_code
+             for _ in range(8)]
+    assert codes == [400] * 2 + [429] * 6
+    assert held() == 3  # refusals 4-6 of this second were held; the first three answered at once
+    r = client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"})
+    assert_openai_error(r, 429, "rate_limit_exceeded")
+    assert r.headers["Retry-After"] == "1000"  # the bucket refills one token in 1,000 s
+    assert held() == 4
+    other = {"Authorization": f"Bearer {OTHER}"}
+    assert client.post("/v1/completions", headers=other, json={"model": "tiny", "prompt": "x"}).status_code == 200
+    assert held() == 4 and deps.hold.held == 0
+
+
+def test_refusal_hold_counts_per_caller_per_second_and_holds_at_most_max_held():
+    now = [0.0]
+    hold = RefusalHold(hold_s=1.0, after=2, max_held=1, clock=lambda: now[0])
+    assert [hold.delay("a") for _ in range(4)] == [0.0, 0.0, 1.0, 1.0]
+    assert hold.delay("b") == 0.0  # another caller has its own count
+    now[0] = 1.5  # a new second: the count starts again
+    assert [hold.delay("a") for _ in range(3)] == [0.0, 0.0, 1.0]
+    hold.held = 1  # one answer held already: the next is answered at once
+    assert hold.delay("a") == 0.0
+    assert RefusalHold(hold_s=0, after=0).delay("a") == 0.0  # hold_s 0: never held
+    assert RefusalHold(hold_s=5, after=0).delay("a", retry_after_s=2.0) == 2.0  # never past its Retry-After

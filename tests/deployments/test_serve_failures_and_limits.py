@@ -292,7 +292,8 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
 
 def test_a_flood_of_malformed_requests_draws_429s_and_others_keep_serving(serve_app):
     """1,000 malformed requests at concurrency 16 from one tenant: they count against its rate limit (burst 100,
-    then 429 before their bodies are parsed); another tenant's requests all succeed. Reports their latency."""
+    then 429 before their bodies are parsed), and its 429s are held back once it keeps sending after them; another
+    tenant's requests all succeed. Reports their latency (quiet, and during the flood)."""
     other = openai.OpenAI(base_url=serve_app.base_url + "/v1", api_key=GLOBEX, max_retries=0, timeout=120)
 
     def normal(n):
@@ -321,3 +322,7 @@ def test_a_flood_of_malformed_requests_draws_429s_and_others_keep_serving(serve_
                                            "normal_max_s": [round(max(quiet), 3), round(max(during), 3)]}))
     assert set(codes) <= {400, 429} and codes.count(429) > 0
     assert len(during) == 10  # every normal request of the other tenant succeeded
+    # the flood kept sending after its 429s, so the ingress held them back (refusal_hold)
+    held = [line for line in httpx.get(serve_app.base_url + "/metrics").text.splitlines()
+            if line.startswith("loraserve_rate_limited_held_total")]
+    assert held and float(held[0].split()[-1]) > 0, held
