@@ -22,10 +22,16 @@ def _cli_builds(root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict]
                                      *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, extra in runs.items()}
     out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-3000:]
-        out[name] = json.loads(stdout.strip().splitlines()[-1])   # contract: the last line is the JSON
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stderr[-3000:]
+            out[name] = json.loads(stdout.strip().splitlines()[-1])   # contract: the last line is the JSON
+    finally:
+        for proc in procs.values():   # a failed build ends the others
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return out
 
 
