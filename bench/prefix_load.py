@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--answer-len", type=int, nargs=2, default=[32, 64])
     ap.add_argument("--popularity", default="zipf:1.0")
     ap.add_argument("--traffics", nargs="+", choices=TRAFFICS, default=list(TRAFFICS))
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default: the benchmarks' 24 GiB)")
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
@@ -133,7 +134,8 @@ def main() -> None:
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None
     max_len = args.system_len + args.turns * (args.user_len[1] + args.answer_len[1]) + 64
     engine = LLMEngine(engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank,
-                                     spec, max_model_len=max(2048, max_len)))
+                                     spec, max_model_len=max(2048, max_len),
+                                     **({} if args.kv_cache_gb is None else {"kv_cache_memory_gb": args.kv_cache_gb})))
     for name, path in adapters.items():
         engine.add_adapter(name, path)
     gc.collect()
