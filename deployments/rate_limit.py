@@ -151,9 +151,9 @@ class RedisRateLimiter:
 @dataclass
 class RefusalHold:
     """Once a caller has been refused more than `after` times within one second, its further refusals are answered
-    only after `hold_s` (at most what their Retry-After asks it to wait anyway), at most `max_held` answers held at a time
-    per ingress replica (past that they are answered at once, so held answers never take the ingress's room from
-    other callers). A caller that honours Retry-After never meets it; a closed-loop flood then sends about its
+    only after `hold_s` (at most what their Retry-After asks it to wait anyway), with at most `max_held` answers held
+    at a time per ingress replica (past that they are answered at once, so held answers never take the ingress's room
+    from other callers). A caller that honours Retry-After never meets it; a closed-loop flood then sends about its
     concurrency per `hold_s` instead of as fast as the refusals come back. `hold_s` 0: answered at once."""
 
     hold_s: float = 1.0

@@ -116,8 +116,8 @@ class Gate:
         self.last_margin: float | None = None  # how much faster plain was priced, when decide chose plain on cost
         self._probed = False  # the last cycle was a probe, and no decision since has judged it
         self._reserve = True  # reserve drafting room at the next schedule
-        # plain steps left without re-pricing, and the batch they hold for: its adapters, its sequences' draft caps
-        self._hold, self._hold_batch = 0, (frozenset(), [])
+        # plain steps left without re-pricing, and the batch they hold for: its adapters, sequences, summed draft caps
+        self._hold, self._hold_batch = 0, (frozenset(), 0, 0)
 
     # ------------------------------------------------------------ the step
     @property
@@ -196,7 +196,8 @@ class Gate:
         left = [s.tokens_left(self.max_model_len) for s in lora] if batch.closed else None
         lengths = self.draft_lengths(names, caps, decoding, left, ride)
         speculate = self.decide(names, lengths, num_base, caps, left, ride, prompts=len(batch.seqs) - decoding)
-        self._hold, self._hold_batch = (0 if speculate else self.hold_steps()), (frozenset(names), caps)
+        self._hold = 0 if speculate else self.hold_steps()
+        self._hold_batch = (frozenset(names), len(caps), sum(caps))
         self._reserve = not self._hold
         return lengths if speculate else None
 
@@ -271,13 +272,10 @@ class Gate:
         draft per sequence than it had (a batch priced near its sequences' ends would draft little). At a burst,
         sequences join and finish at nearly every step; re-pricing each time would cost a step without drafting
         room (PLAIN_UNRESERVED) before every new decision."""
-        held, priced = self._hold_batch
-        if not priced or not set(names) <= held:
+        held, size, room = self._hold_batch
+        if not set(names) <= held or not size / self.HOLD_SPREAD <= len(caps) <= size * self.HOLD_SPREAD:
             return False
-        size = len(priced)
-        if not size / self.HOLD_SPREAD <= len(caps) <= size * self.HOLD_SPREAD:
-            return False
-        return sum(caps) * size <= sum(priced) * len(caps) * self.HOLD_CAP_SLACK
+        return sum(caps) * size <= room * len(caps) * self.HOLD_CAP_SLACK
 
     def note_step(self, adapters: list[str], lengths: list[int] | None) -> None:
         """After a step: the adapters that drafted nothing in it (every one, in a plain step; in a cycle, one whose
