@@ -405,7 +405,8 @@ def _decoding(adapters: list[str]) -> list[Sequence]:
 def test_a_plain_hold_covers_the_batches_it_prices_alike_and_no_new_adapter():
     """After a wide-margin plain decision, the next steps stay plain without re-pricing (and without drafting
     room) while the batch is the one priced, give or take a third of its sequences (at a burst they join and
-    finish at every step), and not once an adapter joins that it was not priced with."""
+    finish at every step), and not once an adapter joins that it was not priced with, nor for a batch with more
+    drafting room per sequence than the one priced (a batch near its sequences' ends would draft little)."""
     def gate_and_step():
         gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
         gate.adapter("x").ema = gate.adapter("y").ema = 0.9
@@ -416,7 +417,8 @@ def test_a_plain_hold_covers_the_batches_it_prices_alike_and_no_new_adapter():
 
         def step(seqs, lookahead):
             before = dict(gate.decisions)
-            plan = gate.plan(ScheduledBatch(seqs if isinstance(seqs[0], Sequence) else _decoding(seqs), lookahead=lookahead))
+            seqs = seqs if isinstance(seqs[0], Sequence) else _decoding(seqs)
+            plan = gate.plan(ScheduledBatch(seqs, lookahead=lookahead))
             assert not plan.speculate
             (decision,) = [d for d, n in gate.decisions.items() if n != before.get(d, 0)]
             return decision, gate.lookahead
