@@ -20,7 +20,8 @@ from typing import Any, Optional
 # The development defaults are there too (DEFAULT_API_KEY -> "default", DEFAULT_ADMIN_TOKEN), so a page that
 # uses them (docs/operator.md) runs against this app as printed.
 KEYS = {"sk-test-acme-0001": "acme", "sk-test-globex-01": "globex", "sk-test-limited-1": "limited",
-        "sk-loraserve-dev": "default"}
+        "sk-loraserve-dev": "default", "sk-test-loadgen-1": "loadgen"}
+LOAD_KEY = "sk-test-loadgen-1"  # a tenant without a practical rate limit, for measurement load
 ADMIN = "loraserve-admin-dev"
 UPLOAD_LIMIT = 64 * 2**20  # the registry's max_file_bytes here: the upload limit
 AFFINITY_ADAPTERS = [f"aff-{i:02d}" for i in range(20)]
@@ -126,7 +127,7 @@ def _start() -> ServeApp:
         "routing_stats_period_s": 0.5,
         "api_keys": KEYS,
         "admin_token": ADMIN,
-        "tenant_rates": {"limited": {"rate": 0.01, "burst": 2}},
+        "tenant_rates": {"limited": {"rate": 0.01, "burst": 2}, "loadgen": {"rate": 1e6, "burst": 1e6}},
         "cold_load_wait_s": 60,
         "registry": registry_settings,
     }

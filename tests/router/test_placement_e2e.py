@@ -81,11 +81,12 @@ def on_device(key, described):
     return {rid for rid, d in described.items() if key in d["device_adapters"]}
 
 
-async def send(base, adapters, concurrency):
+async def send(base, adapters, concurrency, results=None):
+    """One result per request, appended to `results` (a fresh list unless given) as each completes."""
     queue = asyncio.Queue()
     for a in adapters:
         queue.put_nowait(a)
-    results = []
+    results = [] if results is None else results
     async with httpx.AsyncClient(base_url=base, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
         async def worker():
             while not queue.empty():
@@ -165,8 +166,12 @@ def test_rising_adapter_pinned_on_two_devices_before_its_peak_and_survives_a_rep
     actor = llm_replicas()[victim]
 
     async def load_and_kill():
-        load = asyncio.create_task(send(base, [RISING] * 40, concurrency=2))
-        await asyncio.sleep(1.0)
+        # killed once a few requests have been answered (a fixed delay lets a fast machine serve most of the
+        # load on the victim before the kill)
+        done = []
+        load = asyncio.create_task(send(base, [RISING] * 40, concurrency=2, results=done))
+        while len(done) < 4:
+            await asyncio.sleep(0.01)
         await asyncio.to_thread(ray.kill, actor, no_restart=True)
         killed = time.monotonic()
         return await load, killed
