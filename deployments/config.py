@@ -49,11 +49,12 @@ class RateSpec(BaseModel):
 
 
 class RefusalHoldSpec(BaseModel):
-    """Slowing a caller that keeps sending after its 429s (deployments.rate_limit.RefusalHold)."""
+    """Benching a caller whose requests keep being refused (deployments.rate_limit.RefusalHold)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    hold_s: float = Field(1.0, ge=0, le=30, description="how long its further 429s are held; 0: never held")
-    after: int = Field(20, ge=0, description="refusals of one caller within a second before its answers are held")
+    hold_s: float = Field(1.0, ge=0, le=30, description="how long a benched caller's 429s are held, and its bench "
+                          "lasts after its last request; 0: never benched")
+    after: int = Field(20, ge=0, description="4xx answers to one caller within a second before it is benched")
     max_held: int = Field(64, ge=0, description="answers held at a time per ingress replica; more are answered at once")
 
 

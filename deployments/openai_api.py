@@ -2,9 +2,10 @@
 
 `create_openai_app(IngressDeps(...))` has no Ray in it: the Serve ingress passes an `llm`
 that calls the replicas through a deployment handle; unit tests pass a fake.
-Order of checks per request: body size -> API key -> the tenant's rate limit -> body -> model name ->
-registry (visibility, disabled, canary pick) -> the adapter's rate limit -> cold-load gate -> replica, so a
-request refused for its body has cost its tenant a token like any other. Every error answer is an OpenAI
+Order of checks per request: body size -> API key -> the tenant's bench (RefusalHold: a caller refused over
+and over) -> the tenant's rate limit -> body -> model name -> registry (visibility, disabled, canary pick) ->
+the adapter's rate limit -> cold-load gate -> replica, so a request refused for its body has cost its tenant a
+token like any other, and every 4xx answer to a tenant counts towards benching it. Every error answer is an OpenAI
 error body and is counted by status and reason in `/metrics`; a dependency out of reach (the registry's
 Redis or S3) is a 503 with Retry-After. Without `metrics_token`, /metrics names no tenant and no
 tenant-private adapter (both labelled "private").
@@ -66,7 +67,7 @@ class IngressDeps:
     llm: LLMClient
     limiter: Limiter
     gate: ColdLoadGate
-    # answers to a caller refused over and over are held (its flood slowed), at most so many at a time
+    # a caller refused over and over is benched, its answers held (its flood slowed), at most so many at a time
     hold: RefusalHold = field(default_factory=RefusalHold)
     metrics: ServingMetrics = field(default_factory=ServingMetrics)
     max_tokens_limit: int = 4096
@@ -102,8 +103,8 @@ def _tenant(deps: IngressDeps, request: Request) -> str:
     return tenant
 
 
-async def _take(deps: IngressDeps, scope: str, key: str, tenant: str) -> None:
-    """One token of `key`'s bucket in `scope`, or a 429 for `tenant` (held while it keeps sending: RefusalHold)."""
+async def _take(deps: IngressDeps, scope: str, key: str) -> None:
+    """One token of `key`'s bucket in `scope`, or a 429."""
     try:
         if deps.limiter.blocking:
             await run_in_threadpool(deps.limiter.take, scope, key)
@@ -111,13 +112,20 @@ async def _take(deps: IngressDeps, scope: str, key: str, tenant: str) -> None:
             deps.limiter.take(scope, key)
     except RateLimited as e:
         deps.metrics.rate_limited.labels(e.scope).inc()
-        retry_after = RateLimiter.retry_after_header(e)
-        refused = APIError(429, str(e), code="rate_limit_exceeded", headers={"Retry-After": retry_after})
-    else:
+        raise APIError(429, str(e), code="rate_limit_exceeded",
+                       headers={"Retry-After": RateLimiter.retry_after_header(e)}) from None
+
+
+async def _unbenched(deps: IngressDeps, tenant: str) -> None:
+    """A 429 for a benched `tenant` (RefusalHold), its answer held, else nothing."""
+    if not deps.hold.benched(tenant):
         return
-    if await deps.hold.hold(tenant, float(retry_after)):
+    deps.metrics.rate_limited.labels("refusals").inc()
+    if await deps.hold.hold():
         deps.metrics.refusals_held.inc()
-    raise refused
+    wait = deps.hold.retry_after_s(tenant)
+    raise APIError(429, f"too many refused requests from tenant {tenant!r}; retry after {wait:.2f}s",
+                   code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
 
 def _unavailable(err: DependencyUnavailable) -> APIError:
@@ -180,13 +188,20 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         m.http_errors.labels(str(err.status), err.code or "error").inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+    def refused(request: Request, err: APIError) -> JSONResponse:
+        # a 4xx answer to an authenticated caller counts towards benching it (RefusalHold)
+        tenant = getattr(request.state, "tenant", None)
+        if tenant is not None and 400 <= err.status < 500:
+            deps.hold.refused(tenant)
         return answer(err)
 
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return refused(request, err)
+
     @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: Request, err: RequestValidationError) -> JSONResponse:
-        return answer(_validation_error(err))
+    async def _bad_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        return refused(request, _validation_error(err))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -244,10 +259,12 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         return Response(m.render(), media_type=CONTENT_TYPE)
 
     async def authenticated(request: Request) -> str:
-        # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first, and a tenant
-        # over its rate is 429 before its body is parsed. Async: no worker-thread hop for an in-process limiter.
-        tenant = _tenant(deps, request)
-        await _take(deps, "tenant", tenant, tenant)
+        # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first, and a benched
+        # tenant or one over its rate is 429 before its body is parsed. Async: no worker-thread hop for an
+        # in-process limiter.
+        tenant = request.state.tenant = _tenant(deps, request)
+        await _unbenched(deps, tenant)
+        await _take(deps, "tenant", tenant)
         return tenant
 
     def visible(records) -> list[tuple[str, Optional[str]]]:
@@ -297,7 +314,7 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
             sampling, explicit = _sampling(body, deps.default_chat_tokens if chat else deps.default_completion_tokens,
                                            deps.max_tokens_limit)
             if target.key is not None:
-                await _take(deps, "adapter", target.name, tenant)
+                await _take(deps, "adapter", target.name)
             common = dict(n=body.n, max_tokens_explicit=explicit, submitted_at=deps.clock(), adapter_record=target.record)
             if chat:
                 messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]

@@ -8,9 +8,10 @@ every ingress replica draws from the same buckets; while Redis is unreachable it
 tries Redis again only every `DependencyHealth.retry_s` (one log line per outage). The local clock is
 injected so tests need no sleeps.
 
-`RefusalHold` slows a caller that keeps sending after its 429s: a closed-loop flood (the next request sent as soon
-as the last answer comes) would otherwise send as fast as refusals come back, and every refusal still costs the
-proxy and the ingress a few milliseconds of CPU that other tenants' requests wait behind.
+`RefusalHold` benches a caller that keeps sending requests that are refused: a closed-loop flood (the next request
+sent as soon as the last answer comes) would otherwise send as fast as refusals come back, and every refusal still
+costs the proxy and the ingress a few milliseconds of CPU (a malformed body its parse too) that other tenants'
+requests wait behind.
 """
 
 from __future__ import annotations
@@ -150,11 +151,13 @@ class RedisRateLimiter:
 
 @dataclass
 class RefusalHold:
-    """Once a caller has been refused more than `after` times within one second, its further refusals are answered
-    only after `hold_s` (at most what their Retry-After asks it to wait anyway), with at most `max_held` answers held
-    at a time per ingress replica (past that they are answered at once, so held answers never take the ingress's room
-    from other callers). A caller that honours Retry-After never meets it; a closed-loop flood then sends about its
-    concurrency per `hold_s` instead of as fast as the refusals come back. `hold_s` 0: answered at once."""
+    """A caller refused more than `after` times within one second (any 4xx answer to its own requests: malformed,
+    an unknown model, over its rate) is benched: while it keeps sending, each of its requests is refused with a 429
+    before its body is read or its rate limit taken, the answer held `hold_s`, and the bench lasts until `hold_s`
+    after its last request. At most `max_held` answers are held at a time per ingress replica (past that they are
+    answered at once, so held answers never take the ingress's room from other callers). A caller that waits out
+    its 429's Retry-After (at least `hold_s`) is served again; a closed-loop flood sends about its concurrency per
+    `hold_s`, every request refused before anything costly. `hold_s` 0: never benched."""
 
     hold_s: float = 1.0
     after: int = 20
@@ -162,28 +165,42 @@ class RefusalHold:
     clock: Callable[[], float] = time.monotonic
     held: int = 0  # answers being held now
     _window: dict[str, tuple[float, int]] = field(default_factory=dict)  # caller -> (window start, refusals)
+    _until: dict[str, float] = field(default_factory=dict)  # benched caller -> end of its bench
 
-    def delay(self, caller: str, retry_after_s: float = math.inf) -> float:
-        """Count one refusal of `caller` -> seconds to hold its answer (never past its `retry_after_s`)."""
+    def refused(self, caller: str) -> None:
+        """Count one refusal of `caller`'s request; the one past `after` within a second benches it."""
         now = self.clock()
         start, count = self._window.get(caller, (now, 0))
         if now - start >= 1.0:
             start, count = now, 0
         self._window[caller] = (start, count + 1)
-        if self.hold_s <= 0 or count < self.after or self.held >= self.max_held:
-            return 0.0
-        return min(self.hold_s, retry_after_s)
+        if self.hold_s > 0 and count + 1 > self.after:
+            self._until[caller] = max(self._until.get(caller, now), now + self.hold_s)
 
-    async def hold(self, caller: str, retry_after_s: float = math.inf) -> bool:
-        """Count one refusal of `caller` and wait out its hold, if any. -> whether the answer was held."""
-        delay = self.delay(caller, retry_after_s)
-        if delay:
-            self.held += 1
-            try:
-                await asyncio.sleep(delay)
-            finally:
-                self.held -= 1
-        return bool(delay)
+    def benched(self, caller: str) -> bool:
+        """Whether `caller` is benched now; a request while it is extends the bench to `hold_s` from now."""
+        now = self.clock()
+        until = self._until.get(caller)
+        if until is None or until <= now:
+            self._until.pop(caller, None)
+            return False
+        self._until[caller] = max(until, now + self.hold_s)
+        return True
+
+    def retry_after_s(self, caller: str) -> float:
+        """Seconds left of `caller`'s bench, and never under `hold_s` (the bench a retry sooner would meet)."""
+        return max(self.hold_s, self._until.get(caller, 0.0) - self.clock())
+
+    async def hold(self) -> bool:
+        """Hold one answer `hold_s` unless `max_held` are held already. -> whether it was held."""
+        if self.hold_s <= 0 or self.held >= self.max_held:
+            return False
+        self.held += 1
+        try:
+            await asyncio.sleep(self.hold_s)
+        finally:
+            self.held -= 1
+        return True
 
 
 @dataclass

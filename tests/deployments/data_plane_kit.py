@@ -68,7 +68,7 @@ def build(tmp, **deps_overrides) -> Kit:
     from deployments.engine_settings import engine_config
     from deployments.llm_server import LLMServer
     from deployments.openai_api import IngressDeps, create_openai_app
-    from deployments.rate_limit import ColdLoadGate, RateLimiter
+    from deployments.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
     from engine_ext import AsyncLLMEngine
     from registry import AdapterDisabled, AdapterNotFound
 
@@ -86,6 +86,8 @@ def build(tmp, **deps_overrides) -> Kit:
     threading.Thread(target=loop.run_forever, name="kit-loop", daemon=True).start()
     server = LLMServer(cfg, engine, reg, "kit-replica")
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+    # its tests send hundreds of refused requests in a row on purpose: no bench unless a test asks for one
+    deps_overrides.setdefault("hold", RefusalHold(hold_s=0))
     deps = IngressDeps(base_name=cfg.base_model_name, api_keys=KEYS, resolver=reg, llm=InProcessLLM(server),
                        limiter=RateLimiter((1000, 1000), (1000, 1000)), gate=ColdLoadGate(limit=8, wait_s=30),
                        registry_errors=(AdapterNotFound, AdapterDisabled), **deps_overrides)

@@ -4,7 +4,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import asyncio
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -279,31 +281,71 @@ def test_malformed_requests_count_against_the_callers_rate_limit():
     assert llm.seen and all(req.prompt == "x" for req in llm.seen)
 
 
-def test_a_caller_that_keeps_sending_after_its_429s_has_them_held_and_others_are_not():
-    client, _, deps = make(tenant_rate=(0.001, 2))
-    deps.hold = RefusalHold(hold_s=0.05, after=3, max_held=8)
-    held = lambda: deps.metrics.registry.get_sample_value("loraserve_rate_limited_held_total")  # noqa: E731
+def test_a_caller_refused_over_and_over_is_benched_before_its_body_is_read_and_others_are_not():
+    client, llm, deps = make(tenant_rate=(1000, 1000))  # no 429 from the rate limit here: only 400s
+    deps.hold = RefusalHold(hold_s=0.2, after=3, max_held=8)
+    metric = deps.metrics.registry.get_sample_value
     codes = [client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": 5}).status_code
-             for _ in range(8)]
-    assert codes == [400] * 2 + [429] * 6
-    assert held() == 3  # refusals 4-6 of this second were held; the first three answered at once
-    r = client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"})
+             for _ in range(7)]
+    assert codes == [400] * 4 + [429] * 3  # the 4th refusal benched it: the next three are never parsed
+    assert metric("loraserve_rate_limited_held_total") == 3
+    assert metric("loraserve_rate_limited_total", {"scope": "refusals"}) == 3
+    t0 = time.monotonic()
+    r = client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"})  # a valid one, benched too
     assert_openai_error(r, 429, "rate_limit_exceeded")
-    assert r.headers["Retry-After"] == "1000"  # the bucket refills one token in 1,000 s
-    assert held() == 4
+    assert time.monotonic() - t0 >= 0.2 and r.headers["Retry-After"] == "1" and not llm.seen
     other = {"Authorization": f"Bearer {OTHER}"}
     assert client.post("/v1/completions", headers=other, json={"model": "tiny", "prompt": "x"}).status_code == 200
-    assert held() == 4 and deps.hold.held == 0
+    assert metric("loraserve_rate_limited_held_total") == 4 and deps.hold.held == 0
+    time.sleep(0.25)  # waited out: its bench ended hold_s after its last request
+    assert client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"}).status_code == 200
 
 
-def test_refusal_hold_counts_per_caller_per_second_and_holds_at_most_max_held():
+def test_unknown_models_and_429s_count_towards_the_bench_a_401_does_not():
+    client, _, deps = make(tenant_rate=(0.001, 2))
+    deps.hold = RefusalHold(hold_s=0.05, after=3, max_held=8)
+    statuses = [client.post("/v1/completions", headers=H, json={"model": "tiny:nope", "prompt": "x"}).status_code
+                for _ in range(2)]  # 404s, each taking a token
+    statuses += [client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"}).status_code
+                 for _ in range(3)]  # the bucket is empty: 429, 429 (4th refusal: benched), then benched
+    assert statuses == [404, 404, 429, 429, 429]
+    assert deps.metrics.registry.get_sample_value("loraserve_rate_limited_total", {"scope": "refusals"}) == 1
+    bad_key = {"Authorization": "Bearer sk-nobody-000000"}
+    assert [client.post("/v1/completions", headers=bad_key, json={"model": "tiny", "prompt": "x"}).status_code
+            for _ in range(5)] == [401] * 5  # no tenant to bench
+    assert client.post("/v1/completions", headers={"Authorization": f"Bearer {OTHER}"},
+                       json={"model": "tiny", "prompt": "x"}).status_code == 200
+
+
+def test_refusal_hold_benches_per_caller_after_its_refusals_within_a_second():
     now = [0.0]
     hold = RefusalHold(hold_s=1.0, after=2, max_held=1, clock=lambda: now[0])
-    assert [hold.delay("a") for _ in range(4)] == [0.0, 0.0, 1.0, 1.0]
-    assert hold.delay("b") == 0.0  # another caller has its own count
-    now[0] = 1.5  # a new second: the count starts again
-    assert [hold.delay("a") for _ in range(3)] == [0.0, 0.0, 1.0]
-    hold.held = 1  # one answer held already: the next is answered at once
-    assert hold.delay("a") == 0.0
-    assert RefusalHold(hold_s=0, after=0).delay("a") == 0.0  # hold_s 0: never held
-    assert RefusalHold(hold_s=5, after=0).delay("a", retry_after_s=2.0) == 2.0  # never past its Retry-After
+    for _ in range(2):
+        hold.refused("a")
+    assert not hold.benched("a")  # `after` refusals: not yet
+    hold.refused("a")
+    assert hold.benched("a") and not hold.benched("b")  # another caller has its own count
+    now[0] = 0.9
+    assert hold.benched("a")  # a request while benched extends the bench to hold_s from now
+    now[0] = 1.8
+    assert hold.benched("a") and hold.retry_after_s("a") == 1.0
+    now[0] = 2.9  # hold_s after its last request: free again, and a new second's count starts over
+    assert not hold.benched("a")
+    for _ in range(2):
+        hold.refused("a")
+    assert not hold.benched("a")
+    now[0] = 4.0  # refusals in different seconds do not add up
+    hold.refused("a")
+    assert not hold.benched("a")
+    off = RefusalHold(hold_s=0, after=0)
+    off.refused("a")
+    assert not off.benched("a")  # hold_s 0: never benched
+
+
+def test_refusal_hold_holds_at_most_max_held_answers_at_once():
+    async def run():
+        hold = RefusalHold(hold_s=0.05, after=0, max_held=2)
+        return await asyncio.gather(*(hold.hold() for _ in range(3))), hold.held
+
+    held, left = asyncio.run(run())
+    assert sorted(held) == [False, True, True] and left == 0

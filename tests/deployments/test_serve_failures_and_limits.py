@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deployments.serve_harness import AFFINITY_ADAPTERS, APP_NAME, KEYS
+from tests.deployments.serve_harness import AFFINITY_ADAPTERS, APP_NAME, KEYS, LOAD_KEY
 
 pytestmark = pytest.mark.slow
 ACME, GLOBEX = list(KEYS)[:2]
@@ -80,8 +80,8 @@ def seconds_after(marks: dict, t0: float) -> dict:
     return {k: value(v) for k, v in marks.items()}
 
 
-def client(app):
-    return openai.OpenAI(base_url=app.base_url + "/v1", api_key=ACME, max_retries=0, timeout=120)
+def client(app, key=ACME):
+    return openai.OpenAI(base_url=app.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def p99(xs):
@@ -90,8 +90,9 @@ def p99(xs):
 
 
 def normal_load(app, seconds, threads=4):
-    """Latencies of back-to-back small chat requests from `threads` clients for `seconds`."""
-    c, stop, out = client(app), time.monotonic() + seconds, []
+    """Latencies of back-to-back small chat requests from `threads` clients for `seconds` (a tenant without a
+    practical rate limit: on a fast machine they would pass acme's 50/s)."""
+    c, stop, out = client(app, LOAD_KEY), time.monotonic() + seconds, []
 
     def worker():
         lat = []
@@ -204,7 +205,7 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     deadline = time.monotonic() + REPLACEMENT_BOUND_S
     while not warm_server_answers(victims[-1]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    c = client(serve_app)
+    c = client(serve_app, LOAD_KEY)  # 42 concurrent streams: past acme's 50/s on a fast machine
     stop_at = time.monotonic() + 20
     outcomes = []  # (outcome, tokens received before the end)
     lock = threading.Lock()
@@ -290,10 +291,11 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     assert replaced["startup"]["gc_frozen_objects"] > 10_000, report
 
 
-def test_a_flood_of_malformed_requests_draws_429s_and_others_keep_serving(serve_app):
-    """1,000 malformed requests at concurrency 16 from one tenant: they count against its rate limit (burst 100,
-    then 429 before their bodies are parsed), and its 429s are held back once it keeps sending after them; another
-    tenant's requests all succeed. Reports their latency (quiet, and during the flood)."""
+def test_a_flood_of_malformed_requests_is_benched_and_others_keep_serving(serve_app):
+    """Malformed requests at concurrency 32 from one tenant while another tenant's requests run: past 20 refusals
+    in a second the flooding tenant is benched (RefusalHold), so its further requests are 429s held before their
+    bodies are parsed; the other tenant's requests all succeed. Reports their latency (quiet, and during the
+    flood). Once the flood stops and its bench is waited out, the flooding tenant is served again."""
     other = openai.OpenAI(base_url=serve_app.base_url + "/v1", api_key=GLOBEX, max_retries=0, timeout=120)
 
     def normal(n):
@@ -304,25 +306,35 @@ def test_a_flood_of_malformed_requests_draws_429s_and_others_keep_serving(serve_
             out.append(time.perf_counter() - t0)
         return out
 
-    quiet = normal(10)
+    quiet = normal(40)
     bad = json.dumps({"model": serve_app.base_name, "prompt": 5}).encode()
+    stop = threading.Event()
 
-    def flood(n):
+    def flood():
+        codes = []
         with httpx.Client(timeout=60) as http:
-            return [http.post(serve_app.base_url + "/v1/completions", content=bad, headers={
-                "Authorization": f"Bearer {ACME}", "Content-Type": "application/json"}).status_code for _ in range(n)]
+            while not stop.is_set():
+                codes.append(http.post(serve_app.base_url + "/v1/completions", content=bad, headers={
+                    "Authorization": f"Bearer {ACME}", "Content-Type": "application/json"}).status_code)
+        return codes
 
-    with cf.ThreadPoolExecutor(17) as pool:
-        flooding = [pool.submit(flood, 1000 // 16) for _ in range(16)]
-        during = pool.submit(normal, 10).result()
+    with cf.ThreadPoolExecutor(33) as pool:
+        flooding = [pool.submit(flood) for _ in range(32)]
+        time.sleep(1.0)  # the flood under way
+        during = pool.submit(normal, 40).result()
+        stop.set()
         codes = [c for f in flooding for c in f.result()]
     median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     print("\nmalformed flood:", json.dumps({"flood": {str(c): codes.count(c) for c in sorted(set(codes))},
                                            "normal_median_s": [round(median(quiet), 3), round(median(during), 3)],
                                            "normal_max_s": [round(max(quiet), 3), round(max(during), 3)]}))
     assert set(codes) <= {400, 429} and codes.count(429) > 0
-    assert len(during) == 10  # every normal request of the other tenant succeeded
-    # the flood kept sending after its 429s, so the ingress held them back (refusal_hold)
+    # benched after 20 refusals: no more bodies parsed (without the bench the tenant's burst of 100 and then its
+    # 50/s would all be parsed and refused)
+    assert codes.count(400) < 20 + 32 + 20, codes.count(400)  # (the 20, those in flight, one more second's)
+    assert len(during) == 40  # every normal request of the other tenant succeeded
     held = [line for line in httpx.get(serve_app.base_url + "/metrics").text.splitlines()
             if line.startswith("loraserve_rate_limited_held_total")]
     assert held and float(held[0].split()[-1]) > 0, held
+    time.sleep(1.5)  # its bench waited out (hold_s 1 after its last request)
+    client(serve_app).chat.completions.create(model=serve_app.base_name, messages=CHAT, max_tokens=2, temperature=0)
