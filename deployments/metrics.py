@@ -206,9 +206,10 @@ class ServingMetrics:
         self.tps = Histogram("loraserve_tokens_per_second", "Decode speed per request", at, buckets=_TPS, registry=r)
         self.batch = Histogram("loraserve_batch_size", "Running batch size seen by requests", buckets=_BATCH,
                                registry=r)
-        self.rate_limited = Counter("loraserve_rate_limited", "429 answers by scope", ["scope"], registry=r)
-        self.refusals_held = Counter("loraserve_rate_limited_held", "429 answers held back because their caller "
-                                     "kept sending after its refusals (refusal_hold)", registry=r)
+        self.rate_limited = Counter("loraserve_rate_limited", "429 answers by scope (tenant, adapter; refusals: a "
+                                    "benched caller)", ["scope"], registry=r)
+        self.refusals_held = Counter("loraserve_rate_limited_held", "429 answers to a benched caller (one refused "
+                                     "over and over) held back (refusal_hold)", registry=r)
         self.cached_answers = Counter("loraserve_registry_cached_answers", "Answers from the last known registry "
                                       "state while the registry was unreachable, by what was asked", ["what"],
                                       registry=r)
