@@ -80,16 +80,20 @@ for step in $STEPS; do
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null
       echo "load8b rc $?"; grep '^run ' "$OUT/load8b.log" ;;
     prefix)  # issue 29: shared-prefix chat traffic (20 adapters, 1,000-token system prompts, 3-turn sessions) and its
-      # unshared control, prefix caching off and on, on one engine per shape (PREFIX_SHAPES; PREFIX_SESSIONS, PREFIX_RATE_1B/_8B sessions a second)
+      # unshared control, prefix caching off and on (PREFIX_REPEATS pairs in alternating order: 2 at 1B, 1 at 8B), on
+      # one engine per shape (PREFIX_SHAPES; PREFIX_SESSIONS, PREFIX_RATE_1B/_8B sessions a second; PREFIX_TRAFFICS, PREFIX_SPEC draft
+      # tokens (0: plain multi-LoRA), PREFIX_KV_GB the KV cache's size)
       for shape in ${PREFIX_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
         # limits with room for a cold start (random weights written, Triton compiling, graphs captured): the 8B shape
         # takes most of a call alone
-        case $shape in *8b) rate=${PREFIX_RATE_8B:-2} sessions=24 limit=${PREFIX_TIMEOUT_8B:-420} ;;
-          *) rate=${PREFIX_RATE_1B:-4} sessions=40 limit=${PREFIX_TIMEOUT_1B:-240} ;; esac
+        case $shape in *8b) rate=${PREFIX_RATE_8B:-2} sessions=24 repeats=${PREFIX_REPEATS:-1} limit=${PREFIX_TIMEOUT_8B:-420} ;;
+          *) rate=${PREFIX_RATE_1B:-4} sessions=40 repeats=${PREFIX_REPEATS:-2} limit=${PREFIX_TIMEOUT_1B:-360} ;; esac
+        name=prefix-$shape-spec${PREFIX_SPEC:-4}${PREFIX_KV_GB:+-kv$PREFIX_KV_GB}
         timeout $limit python3 bench/prefix_load.py --shape $shape --adapters 20 --system-len 1000 \
           --sessions ${PREFIX_SESSIONS:-$sessions} --turns 3 --session-rate $rate --think-s 1 \
-          --out "$OUT/prefix-$shape.json" 2>"$OUT/prefix-$shape.log" >/dev/null
-        echo "prefix $shape rc $?"; grep '^startup\|^warmed\|^compare\|^run\|Error' "$OUT/prefix-$shape.log"
+          --repeats $repeats --traffics ${PREFIX_TRAFFICS:-chat unshared} --spec ${PREFIX_SPEC:-4} ${PREFIX_KV_GB:+--kv-cache-gb $PREFIX_KV_GB} \
+          --out "$OUT/$name.json" 2>"$OUT/$name.log" >/dev/null
+        echo "$name rc $?"; grep '^startup\|^warmed\|^compare\|^run\|Error' "$OUT/$name.log"
         pack
       done ;;
     coldstart)  # 300 requests at 10/s right after start-up from an empty Triton cache, then again with it filled

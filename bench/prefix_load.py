@@ -14,10 +14,14 @@ earlier turns' prompts, never a decoded answer's: a real client resending the re
 Control ("unshared"): the same arrivals, adapters and lengths, every prompt fresh random tokens, so nothing can
 be reused: caching on must cost it nothing (the issue: within 5% of off).
 
-Each (traffic, caching) pair is one run on the same engine (`LLMEngine.set_prefix_caching`; every run starts with
-an empty cache). Prints one JSON object (bench/serve_load.py's conventions: per run tokens/s, TTFT and TPOT
-percentiles, finish reasons, an output digest), each run with the prefix cache's hit rate, and `compare`: per
-traffic, on over off for TTFT p50/p99 and throughput, and whether the outputs were equal (greedy: they must be).
+Each traffic runs `--repeats` pairs of runs, caching off and on, on the same engine (`LLMEngine.set_prefix_caching`;
+every run starts with an empty cache), the pairs in alternating order (off then on, on then off, ...) so that what
+one run leaves behind (the gate's measurements, the allocator's state) weighs on both settings alike. Prints one
+JSON object (bench/serve_load.py's conventions: per run tokens/s, TTFT and TPOT percentiles, finish reasons, an
+output digest), each run with the prefix cache's hit rate and the speculation counters (gate decisions, cycles,
+plain steps: a difference the gate made between two runs shows there), and `compare`: per traffic, on over off for
+the medians over the repeats of TTFT p50/p99, TPOT p50 and throughput, and whether every run's outputs were equal
+(greedy: they must be).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from statistics import median
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.serve_load import (WallClock, build_workload, engine_config, outputs_digest, replay,  # noqa: E402
@@ -78,19 +83,26 @@ def chat_traffic(cfg: ChatConfig, shared: bool = True) -> list[Request]:
 
 
 def compare(runs: list[dict]) -> list[dict]:
-    """Per traffic: caching on over off (TTFT p50 and p99, throughput) and whether their outputs were equal."""
-    by = {(r["traffic"], r["caching"]): r for r in runs if "crash" not in r}
+    """Per traffic: caching on over off for the medians over its repeats (TTFT p50 and p99, TPOT p50, throughput),
+    and whether every run's outputs were equal."""
     rows = []
     for traffic in TRAFFICS:
-        off, on = by.get((traffic, False)), by.get((traffic, True))
+        mine = [r for r in runs if r["traffic"] == traffic and "crash" not in r]
+        off, on = ([r for r in mine if r["caching"] is c] for c in (False, True))
         if not (off and on):
             continue
-        ratio = lambda a, b: round(a / b, 3) if a is not None and b else None  # noqa: E731
-        rows.append({"traffic": traffic,
-                     "on_over_off_ttft_p50": ratio(on["ttft_ms"]["p50"], off["ttft_ms"]["p50"]),
-                     "on_over_off_ttft_p99": ratio(on["ttft_ms"]["p99"], off["ttft_ms"]["p99"]),
-                     "on_over_off_tput": ratio(on["tokens_per_s"], off["tokens_per_s"]),
-                     "hit_rate": on["prefix_hit_rate"], "outputs_equal": on["outputs"] == off["outputs"]})
+
+        def mid(rs, key, q):
+            values = [r[key][q] if q else r[key] for r in rs]
+            return None if any(v is None for v in values) else median(values)
+
+        ratio = lambda key, q=None: (round(mid(on, key, q) / mid(off, key, q), 3)  # noqa: E731
+                                     if mid(on, key, q) is not None and mid(off, key, q) else None)
+        rows.append({"traffic": traffic, "repeats": min(len(off), len(on)),
+                     "on_over_off_ttft_p50": ratio("ttft_ms", "p50"), "on_over_off_ttft_p99": ratio("ttft_ms", "p99"),
+                     "on_over_off_tpot_p50": ratio("tpot_ms", "p50"), "on_over_off_tput": ratio("tokens_per_s"),
+                     "hit_rate": median(r["prefix_hit_rate"] for r in on),
+                     "outputs_equal": len({r["outputs"] for r in mine}) == 1})
     return rows
 
 
@@ -116,6 +128,8 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="pairs of runs (caching off and on) per traffic, in alternating order")
     ap.add_argument("--warmup-sessions", type=int, default=4,
                     help="sessions of chat traffic replayed unrecorded first, caching off then on (first-use costs)")
     ap.add_argument("--out", default=None)
@@ -123,7 +137,7 @@ def main() -> None:
 
     import torch
 
-    from bench.common import SHAPES, machine
+    from bench.common import SHAPES, machine, spec_delta
     from engine_ext import LLMEngine, SamplingParams, SpecConfig
 
     if args.cpu_threads:
@@ -157,28 +171,32 @@ def main() -> None:
             replay(engine, chat_traffic(warm), WallClock(), params_for)
         print("warmed up", file=sys.stderr, flush=True)
 
-    for traffic in args.traffics:
-        requests = chat_traffic(chat, shared=traffic == "chat")
-        for caching in (False, True):
-            engine.set_prefix_caching(caching)
-            run = {"traffic": traffic, "caching": caching,
-                   "prompt_tokens": sum(len(r.prompt) for r in requests)}
-            preempted = engine.stats()["num_preemptions"]
-            start = time.perf_counter()
-            records = replay(engine, requests, WallClock(), params_for)
-            run |= summarize(records, time.perf_counter() - start)
-            run["outputs"] = outputs_digest(records)
-            stats = engine.stats()
-            cache = stats.get("prefix_cache") or {}
-            run["prefix_hit_rate"] = cache.get("hit_rate")
-            run["prefix_hits"], run["prefix_queries"] = cache.get("hits"), cache.get("queries")
-            run["preemptions"] = stats["num_preemptions"] - preempted
-            run["free_kv_blocks_after"] = stats["free_kv_blocks"] == stats["total_kv_blocks"]
-            result["runs"].append(run)
-            _write(args.out, result)  # after every run: a run cut off by a time limit keeps the ones before
-            print("run", json.dumps({k: run.get(k) for k in (
-                "traffic", "caching", "finished", "seconds", "tokens_per_s", "ttft_ms", "tpot_ms",
-                "prefix_hit_rate")}), file=sys.stderr)
+    traffics = {traffic: chat_traffic(chat, shared=traffic == "chat") for traffic in args.traffics}
+    order = [(traffic, i, caching) for traffic in args.traffics for i in range(args.repeats)
+             for caching in ((False, True) if i % 2 == 0 else (True, False))]
+    for traffic, repeat, caching in order:
+        requests = traffics[traffic]
+        engine.set_prefix_caching(caching)
+        run = {"traffic": traffic, "caching": caching, "repeat": repeat,
+               "prompt_tokens": sum(len(r.prompt) for r in requests)}
+        before = engine.stats()
+        preempted = before["num_preemptions"]
+        start = time.perf_counter()
+        records = replay(engine, requests, WallClock(), params_for)
+        run |= summarize(records, time.perf_counter() - start)
+        run["outputs"] = outputs_digest(records)
+        stats = engine.stats()
+        run["speculation"] = spec_delta(before, stats)
+        cache = stats.get("prefix_cache") or {}
+        run["prefix_hit_rate"] = cache.get("hit_rate")
+        run["prefix_hits"], run["prefix_queries"] = cache.get("hits"), cache.get("queries")
+        run["preemptions"] = stats["num_preemptions"] - preempted
+        run["free_kv_blocks_after"] = stats["free_kv_blocks"] == stats["total_kv_blocks"]
+        result["runs"].append(run)
+        _write(args.out, result)  # after every run: a run cut off by a time limit keeps the ones before
+        print("run", json.dumps({k: run.get(k) for k in (
+            "traffic", "caching", "repeat", "finished", "seconds", "tokens_per_s", "ttft_ms", "tpot_ms",
+            "prefix_hit_rate")} | {"gate": run["speculation"].get("gate_decisions")}), file=sys.stderr)
     result["compare"] = compare(result["runs"])
     for row in result["compare"]:
         print("compare", json.dumps(row), file=sys.stderr)

@@ -1,6 +1,7 @@
 """bench/prefix_load.py as a user runs it, on the CPU with the tiny shape: chat traffic and its unshared control,
-each with prefix caching off and on, served to the end with equal outputs; the chat traffic hits the cache and the
-control never does. And the traffic itself: a session's turns resend its history."""
+each with prefix caching off and on over two repeats in alternating order, served to the end with equal outputs;
+the chat traffic hits the cache and the control never does. And the traffic itself: a session's turns resend its
+history."""
 
 import json
 import subprocess
@@ -39,6 +40,10 @@ def test_caching_off_and_on_serve_the_same_tokens_and_only_shared_prefixes_hit(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert json.loads(out.read_text()) == result
+    # two repeats a traffic, in alternating order, each with the speculation counters of its own run
+    assert [(r["traffic"], r["repeat"], r["caching"]) for r in result["runs"]] == [
+        (t, i, c) for t in ("chat", "unshared") for i, cs in enumerate([(False, True), (True, False)]) for c in cs]
+    assert all(sum(r["speculation"]["gate_decisions"].values()) > 0 for r in result["runs"])
     runs = {(r["traffic"], r["caching"]): r for r in result["runs"]}
     assert len(runs) == 4
     for run in runs.values():
@@ -46,4 +51,5 @@ def test_caching_off_and_on_serve_the_same_tokens_and_only_shared_prefixes_hit(t
     assert runs[("chat", True)]["prefix_hit_rate"] > 0.3 and runs[("unshared", True)]["prefix_hit_rate"] == 0.0
     rows = {row["traffic"]: row for row in result["compare"]}
     assert rows["chat"]["outputs_equal"] and rows["unshared"]["outputs_equal"]
-    assert rows["chat"]["on_over_off_ttft_p50"] > 0
+    assert rows["chat"]["on_over_off_ttft_p50"] > 0 and rows["unshared"]["on_over_off_tpot_p50"] > 0
+    assert rows["chat"]["repeats"] == rows["unshared"]["repeats"] == 2
