@@ -11,7 +11,7 @@ Prints one JSON object per mode.
 
     python bench/host_time.py --batch 128 --modes plain forced gated
     python bench/host_time.py --modes forced --gc default freeze
-    python bench/host_time.py --modes plain --gc freeze --stub-forward [--base-only]
+    python bench/host_time.py --modes plain --gc freeze --stub-forward [--base-only] [--prompt-len 1000]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--prompt-len", type=int, default=16, help="tokens of each prompt (the context the step carries)")
     ap.add_argument("--modes", nargs="+", default=["plain", "forced", "gated"], choices=["plain", "forced", "gated"])
     ap.add_argument("--gc", nargs="+", default=["default"], choices=["default", "freeze"])
     ap.add_argument("--stub-forward", action="store_true", help="fixed logits instead of the model's forward")
@@ -49,7 +50,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     work = tempfile.mkdtemp()
-    model = build_model("llama", os.path.join(work, "m"), max_position_embeddings=1024)
+    max_len = args.prompt_len + 1024
+    model = build_model("llama", os.path.join(work, "m"), max_position_embeddings=max_len)
     adapters = {f"a{i}": build_adapter(model, os.path.join(work, f"a{i}"), seed=i, r=8, target_modules=ALL, std=0.0)
                 for i in range(args.adapters)}  # std 0: every draft is accepted, every cycle runs k passes
     names = [None] if args.base_only else list(adapters) + [None, None]
@@ -67,13 +69,13 @@ def main() -> None:
     gc.callbacks.append(on_gc)
     for mode, collector in [(m, c) for c in args.gc for m in args.modes]:
         engine = LLMEngine(EngineConfig(model=model, speculative=SpecConfig(num_draft_tokens=args.k), block_size=16,
-                                        num_kv_blocks=8192, max_loras=args.adapters, max_num_seqs=args.batch,
-                                        max_model_len=1024))
+                                        num_kv_blocks=args.batch * -(-max_len // 16) + 64, max_loras=args.adapters,
+                                        max_num_seqs=args.batch, max_model_len=max_len))
         for n, p in adapters.items():
             engine.add_adapter(n, p)
         engine.set_speculation(None if mode == "plain" else SpecConfig(num_draft_tokens=args.k, gate=mode == "gated"))
         for i in range(args.batch):
-            engine.add_request(f"r{i}", prompt_token_ids=[(i * 7 + j) % 200 + 1 for j in range(16)],
+            engine.add_request(f"r{i}", prompt_token_ids=[(i * 7 + j) % 200 + 1 for j in range(args.prompt_len)],
                                sampling_params=SamplingParams(max_tokens=900, ignore_eos=True),
                                adapter_name=names[i % len(names)])
         forward = [0.0]
@@ -91,7 +93,9 @@ def main() -> None:
             return out
 
         engine.runner.model.forward = timed
-        for _ in range(8):  # prompts and the gate's first measurements
+        for i in range(10**6):  # every prompt in (long ones take several steps), and the gate's first measurements
+            if i >= 8 and len(engine.scheduler.running) == args.batch and not engine.scheduler.waiting:
+                break
             engine.step()
         if collector == "freeze":
             gc.collect()

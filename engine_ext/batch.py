@@ -62,9 +62,7 @@ def pack_forward(work: list[SeqWork], block_size: int, zero_slot: int, rows: np.
     num_tokens, num_logits = int(ends[-1]), int(log_ends[-1])
     if pad_to is not None and num_tokens > pad_to:
         raise ValueError(f"{num_tokens} tokens do not fit the {pad_to}-token graph")
-    tables[: num_seqs + (pad_to is not None)] = pad_block
-    for i, w in enumerate(work):
-        tables[i, : len(w.block_table)] = w.block_table
+    _pack_tables(work, tables, pad_block, pad_to is not None)
     seq = np.repeat(np.arange(num_seqs), lens)
     qidx = np.arange(num_tokens) - (ends - lens)[seq]
     pos = starts[seq] + qidx
@@ -96,6 +94,34 @@ def pack_forward(work: list[SeqWork], block_size: int, zero_slot: int, rows: np.
         rows[LORA, pad] = zero_slot
         rows[LOGITS, num_logits:pad_to] = 0  # rows nobody reads, gathered from token 0 of this forward
     return num_tokens, num_logits
+
+
+def _pack_tables(work: list[SeqWork], tables: np.ndarray, pad_block: int, pad_row: bool) -> None:
+    """Rows [0, B) of `tables`: each sequence's block ids, then `pad_block`; with `pad_row` row B all `pad_block`.
+    Tables the engine's block manager keeps (BlockTable) are gathered from its mirror in one copy; any other (plain
+    lists: warm-up, tensor-parallel workers, tests) is copied row by row."""
+    num_seqs, width = len(work), tables.shape[1]
+    mirror = getattr(work[0].block_table, "mirror", None)
+    if mirror is not None:
+        tabs = [w.block_table for w in work]
+        try:  # (inline: a table unchanged since the last forward that read it, as most are, needs no call)
+            rows = np.array([t.row if t.synced == len(t) and t.row >= 0 and t.mirror is mirror else mirror.row_of(t)
+                             for t in tabs], np.int64)
+        except (AttributeError, LookupError):  # a table the mirror does not keep
+            mirror = None
+    if mirror is None:
+        tables[: num_seqs + pad_row] = pad_block
+        for i, w in enumerate(work):
+            tables[i, : len(w.block_table)] = w.block_table
+        return
+    lens = np.fromiter(map(len, tabs), np.int64, num_seqs)
+    longest = int(lens.max())
+    sub = tables[:num_seqs, :longest]
+    sub[:] = mirror.array[rows, :longest]
+    sub[np.arange(longest) >= lens[:, None]] = pad_block  # past a table's end its row holds what it held before
+    tables[:num_seqs, longest:] = pad_block
+    if pad_row:
+        tables[num_seqs] = pad_block
 
 
 def apply_sources(rows: torch.Tensor, tables: torch.Tensor, block_size: int, tokens: torch.Tensor | None,

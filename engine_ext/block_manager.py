@@ -1,9 +1,72 @@
 """KV-cache block allocation: a free list of fixed-size blocks, one block table per sequence, and (prefix caching)
-an index of full blocks whose KV is final, kept after their last holder lets them go until the room is needed."""
+an index of full blocks whose KV is final, kept after their last holder lets them go until the room is needed.
+
+A sequence's table is a `BlockTable` (a list of block ids), mirrored in a row of the block manager's `TableMirror`
+(one int64 array), so that a forward's tables are one gather of rows (batch.pack_forward) rather than a copy of
+every table's Python ints: a row is written only where its table grew since the last forward that read it. The
+block manager makes every change to a table, so it keeps the mirror's record of what is still synced."""
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+
+import numpy as np
+
+
+class BlockTable(list):
+    """A sequence's block ids, in order. `mirror`: the TableMirror it is bound to (by the block manager's first
+    change to it); `row`: its row there (-1: none); `synced`: its leading ids that row holds."""
+
+    __slots__ = ("mirror", "row", "synced")
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.mirror, self.row, self.synced = None, -1, 0
+
+    def __reduce__(self):  # pickled (to tensor-parallel workers) as the plain list of its ids: no mirror travels
+        return list, (list(self),)
+
+
+class TableMirror:
+    """Block tables as rows of one int64 array ([rows, width], both grown on demand); see the module docstring."""
+
+    def __init__(self, width: int = 64, rows: int = 256):
+        self.array = np.zeros((rows, width), np.int64)
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    @property
+    def width(self) -> int:
+        return self.array.shape[1]
+
+    def row_of(self, table: BlockTable) -> int:
+        """`table`'s row, holding all its ids (written where it grew since). LookupError: not this mirror's."""
+        if table.mirror is not self:
+            raise LookupError("a block table of another block manager")
+        row, n = table.row, len(table)
+        if row < 0:
+            if not self._free_rows:
+                self._grow(rows=2 * self.array.shape[0])
+            row = table.row = self._free_rows.pop()
+        if table.synced < n:
+            if n > self.width:
+                self._grow(width=max(n, 2 * self.width))
+            self.array[row, table.synced : n] = table[table.synced : n]
+            table.synced = n
+        return row
+
+    def cut(self, table: BlockTable) -> None:
+        """After `table` lost ids from its end: its row holds only what is left (an empty table gives its row back)."""
+        table.synced = min(table.synced, len(table))
+        if not table and table.row >= 0:
+            self._free_rows.append(table.row)
+            table.row = -1
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        old = self.array
+        rows, width = rows or old.shape[0], width or old.shape[1]
+        self.array = np.zeros((rows, width), np.int64)
+        self.array[: old.shape[0], : old.shape[1]] = old
+        self._free_rows.extend(range(rows - 1, old.shape[0] - 1, -1))
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -34,6 +97,11 @@ class BlockManager:
         self._retired: set[bytes] = set()  # dropped roots: never registered again (their adapter version is gone)
         self.evictions = 0  # cached blocks reused for other KV
         self.peak_used = 0  # high-water mark, for memory tests and stats
+        self.mirror = TableMirror()  # the BlockTables it changes, as array rows (batch.pack_forward reads them)
+
+    def _bind(self, block_table: list[int]) -> None:
+        if type(block_table) is BlockTable and block_table.mirror is None:
+            block_table.mirror = self.mirror
 
     @property
     def num_free(self) -> int:
@@ -58,6 +126,7 @@ class BlockManager:
         need = self.blocks_needed(block_table, num_tokens)
         if need > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free} free")
+        self._bind(block_table)
         for _ in range(need):
             block_table.append(self._free.popleft() if self._free else self._evict())
         self.peak_used = max(self.peak_used, self.num_blocks - self.num_free)
@@ -66,6 +135,7 @@ class BlockManager:
         """Append the first `num_blocks` blocks of `source` to an empty `block_table`, held by both."""
         if block_table or num_blocks > len(source):
             raise ValueError("share fills an empty table from blocks the source holds")
+        self._bind(block_table)
         for block in source[:num_blocks]:
             self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
             block_table.append(block)
@@ -74,6 +144,8 @@ class BlockManager:
         """Let go of the blocks past `num_tokens` positions, the last first: a cached chain released whole is then
         evicted from its end, so its head (what more requests share) stays longest."""
         keep = blocks_for(num_tokens, self.block_size)
+        if len(block_table) <= keep:
+            return
         while len(block_table) > keep:
             block = block_table.pop()
             refs = self._extra_refs.pop(block, 0)
@@ -84,6 +156,8 @@ class BlockManager:
                     self._cached[block] = None
                 else:
                     self._free.appendleft(block)
+        if type(block_table) is BlockTable and block_table.mirror is not None:
+            block_table.mirror.cut(block_table)
 
     def free(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
@@ -112,6 +186,7 @@ class BlockManager:
         """Hold the cached blocks `hits` (from `lookup`, this step) as the start of an empty `block_table`."""
         if block_table:
             raise ValueError("take fills an empty table")
+        self._bind(block_table)
         for block in hits:
             if block in self._cached:
                 del self._cached[block]  # its first holder again

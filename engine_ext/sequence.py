@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .batch import SeqWork
+from .block_manager import BlockTable
 from .sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -39,7 +40,7 @@ class Sequence:
     adapter: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=BlockTable)  # (block_manager.py: mirrored for the packer)
     num_computed: int = 0  # positions whose KV is in the cache and final (written by the adapter-on model)
     finish_reason: str | None = None  # set when it ends (it may still be in a step queued on the device)
     seed: int = 0  # the key of its sampling noise: params.seed, or drawn by the engine when it arrived

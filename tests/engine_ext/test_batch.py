@@ -96,3 +96,54 @@ def test_sources_need_the_buffer_rows():
     with pytest.raises(ValueError, match="BUFFER_ROWS"):
         pack_forward([SeqWork([1], 0, [0], 0)], BLOCK, ZERO, np.zeros((NUM_ROWS, 1), np.int64),
                      np.zeros((1, 1), np.int64), token_src=[0])
+
+
+def test_block_tables_packed_from_the_mirror_equal_the_tables_themselves():
+    """Tables the block manager keeps (BlockTable) are packed from its mirror's rows; through random growth,
+    truncation (speculative rollback, then other blocks), frees, shares and cache hits, every pack equals the pack
+    of the same tables as plain lists, eager (as wide as the longest) and padded for a graph, where a row held a
+    longer table before."""
+    import pickle
+    import random
+
+    from engine_ext.block_manager import BlockManager, BlockTable
+
+    rng = random.Random(3)
+    bm = BlockManager(400, BLOCK)
+    tables = [BlockTable() for _ in range(12)]
+    for round_ in range(60):
+        for t in tables:
+            op = rng.random()
+            if op < 0.5:
+                bm.allocate(t, len(t) * BLOCK + rng.randint(1, 3 * BLOCK))
+            elif op < 0.75 and t:
+                bm.truncate(t, rng.randint(0, len(t) * BLOCK))
+            elif op < 0.85:
+                bm.free(t)
+            elif op < 0.95 and not t:
+                source = max(tables, key=len)
+                if source is not t and source:
+                    bm.share(source, rng.randint(1, len(source)), t)
+            if len(t) * BLOCK > 40 * BLOCK:
+                bm.free(t)  # keep within the free list
+        if round_ % 7 == 0:  # a cached chain taken as a new table's start
+            donor = next((t for t in tables if t), None)
+            taker = next((t for t in tables if not t), None)
+            if donor is not None and taker is not None:
+                for i, block in enumerate(donor):
+                    bm.register(block, bytes([round_, i]), b"root")
+                bm.take(bm.lookup([bytes([round_, i]) for i in range(len(donor))]), taker)
+        live = [t for t in tables if t]
+        if not live:
+            continue
+        rng.shuffle(live)
+        mirrored = [SeqWork([1], 0, t, 0) for t in live]
+        plain = [SeqWork([1], 0, list(t), 0) for t in live]
+        for pad_to, width in ((None, max(map(len, live))), (64, 48)):
+            got, want = (np.full((len(live) + 1, width), -5, np.int64) for _ in range(2))
+            rows = np.empty((BUFFER_ROWS, 64), np.int64)
+            pack_forward(mirrored, BLOCK, ZERO, rows, got, pad_to=pad_to, pad_block=7)
+            pack_forward(plain, BLOCK, ZERO, rows, want, pad_to=pad_to, pad_block=7)
+            assert (got == want).all(), round_
+    assert bm.mirror.array.shape[0] >= 12
+    assert type(pickle.loads(pickle.dumps(tables[0]))) is list  # to a tensor-parallel worker: the ids alone
