@@ -100,7 +100,7 @@ def _pack_tables(work: list[SeqWork], tables: np.ndarray, pad_block: int, pad_ro
     """Rows [0, B) of `tables`: each sequence's block ids, then `pad_block`; with `pad_row` row B all `pad_block`.
     Tables the engine's block manager keeps (BlockTable) are gathered from its mirror in one copy; any other (plain
     lists: warm-up, tensor-parallel workers, tests) is copied row by row."""
-    num_seqs, width = len(work), tables.shape[1]
+    num_seqs = len(work)
     mirror = getattr(work[0].block_table, "mirror", None)
     if mirror is not None:
         tabs = [w.block_table for w in work]
