@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["APIError", "BodyLimit", "error_body", "error_response", "status_type"]
+__all__ = ["APIError", "BodyLimit", "error_body", "error_response", "retry_after", "status_type"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -20,6 +21,11 @@ _TYPES = {
     500: "server_error",
     503: "server_error",
 }
+
+
+def retry_after(seconds: float) -> str:
+    """A Retry-After header's value: whole seconds, rounded up, at least 1."""
+    return str(max(1, math.ceil(seconds)))
 
 
 def status_type(status: int) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import responses as R
 from deployments.dependency_health import DependencyUnavailable
-from deployments.errors import APIError, BodyLimit
+from deployments.errors import APIError, BodyLimit, retry_after
 from deployments.metrics import CONTENT_TYPE, ServingMetrics
 from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
 from deployments.protocol import GenerateRequest
@@ -125,12 +124,12 @@ async def _unbenched(deps: IngressDeps, tenant: str) -> None:
         deps.metrics.refusals_held.inc()
     wait = deps.hold.retry_after_s(tenant)
     raise APIError(429, f"too many refused requests from tenant {tenant!r}; retry after {wait:.2f}s",
-                   code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+                   code="rate_limit_exceeded", headers={"Retry-After": retry_after(wait)})
 
 
 def _unavailable(err: DependencyUnavailable) -> APIError:
     return APIError(503, str(err), code="service_unavailable",
-                    headers={"Retry-After": str(max(1, math.ceil(err.retry_after_s)))})
+                    headers={"Retry-After": retry_after(err.retry_after_s)})
 
 
 def _resolve(deps: IngressDeps, model: str, tenant: str, request_id: str) -> _Model:

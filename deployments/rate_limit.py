@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from deployments.dependency_health import DependencyHealth
+from deployments.errors import retry_after
 
 __all__ = ["TokenBucket", "RateLimiter", "RedisRateLimiter", "RateLimited", "RefusalHold", "ColdLoadGate"]
 
@@ -95,7 +96,7 @@ class RateLimiter:
 
     @staticmethod
     def retry_after_header(err: RateLimited) -> str:
-        return str(max(1, math.ceil(err.retry_after_s)))
+        return retry_after(err.retry_after_s)
 
 
 # KEYS: the bucket's key; ARGV: rate, burst. Returns "" when a token was taken, else the seconds to wait.

@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from deployments import responses as R
-from deployments.errors import APIError, error_body
+from deployments.errors import APIError, error_body, retry_after
 from deployments.protocol import GenerateRequest, ReplicaUnavailable, error_chunk
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ class _Choice:
 def _chunk_error(chunk: dict) -> APIError:
     """A replica's error chunk as the HTTP error it stands for (a 503 says when to retry)."""
     retry = chunk.get("retry_after_s")
-    headers = {"Retry-After": str(max(1, math.ceil(retry)))} if retry is not None else None
+    headers = {"Retry-After": retry_after(retry)} if retry is not None else None
     return APIError(chunk["status"], chunk["message"], code=chunk["code"], param=chunk.get("param"), headers=headers)
 
 
