@@ -29,7 +29,9 @@ class StepTimes:
         self.version = 0
         self._has_lora = False
 
-    def record(self, kind: str, tokens: int, adapters: int, seconds: float) -> None:
+    def record(self, kind: str, tokens: int, adapters: int, seconds: float, replace: bool = False) -> None:
+        """One measured pass. `replace`: a re-measure, which takes the place of what the bucket held (measured
+        long before, maybe once and high) instead of being averaged in."""
         key = (kind, bucket(tokens), bucket(adapters) if adapters else 0)
         self._n[key] += 1
         self._lines.pop(kind, None)
@@ -39,7 +41,7 @@ class StepTimes:
         old = self._t.get(key)
         # The second sample at a shape replaces the first, which may carry one-off costs (kernel selection,
         # first-touch memory); later ones are averaged in.
-        if old is None or self._n[key] == 2:
+        if old is None or self._n[key] == 2 or replace:
             self._t[key], self._tokens[key] = seconds, float(tokens)
         else:
             self._t[key] = (1 - self.weight) * old + self.weight * seconds

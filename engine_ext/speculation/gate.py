@@ -34,6 +34,7 @@ class Decision(str, Enum):
     PLAIN_UNRESERVED = "plain_unreserved"  # no drafting room was reserved this step
     PLAIN_NOTHING_TO_DRAFT = "plain_nothing_to_draft"  # every sequence is a token from its end
     PLAIN_EXPLORE = "plain_explore"  # plain at this batch size never measured: measure it
+    PLAIN_PROBE = "plain_probe"  # a long run of cost-priced cycles: re-measure plain
 
     @property
     def speculates(self) -> bool:
@@ -56,6 +57,7 @@ class Plan:
     decoding: int = 0  # sequences decoding (the rest are prefills)
     distinct: int = 0  # distinct adapters among the decoding sequences
     timed: bool = True  # False while the step may capture CUDA graphs: its times are no pass's
+    remeasure: bool = False  # a plain probe: its time replaces the plain step time measured before at its size
     # How many tokens a prompt computed in one of the cycle's drafting passes may draft in the passes after it
     # (Gate.prompt_drafts; the planner caps it by the passes left and the tokens it may still generate)
     prompt_drafts: Callable[[Sequence], int] = field(default=lambda s: 0, repr=False)
@@ -113,6 +115,11 @@ class Gate:
         self.base_probe_interval = probe_interval
         self.probe_backoff = 1  # doubles after each probe that ends in plain again, up to MAX_PROBE_BACKOFF
         self.plain_streak = 0  # consecutive plain decisions; a probe cycle refreshes stale measurements
+        # Consecutive cycles the cost model chose over a plain step and its back-off: a plain probe refreshes the
+        # plain step time, which is measured only in plain steps (one measured high would keep the gate drafting)
+        self.spec_streak, self.plain_probe_backoff = 0, 1
+        self._plain_probed = False  # a plain probe's time is recorded, and no cost decision since has judged it
+        self.last_decision: Decision | None = None
         self.last_margin: float | None = None  # how much faster plain was priced, when decide chose plain on cost
         self._probed = False  # the last cycle was a probe, and no decision since has judged it
         self._reserve = True  # reserve drafting room at the next schedule
@@ -140,6 +147,7 @@ class Gate:
         self.note_step(names, lengths)
         if lengths is None:
             self.counters.plain_steps += 1
+            plan.remeasure = self.last_decision is Decision.PLAIN_PROBE
             return plan
         self.counters.cycles += 1
         chosen: dict[str, int] = {}
@@ -218,7 +226,8 @@ class Gate:
             spent = sum(p[3] for p in result.passes)
             self.times.record("overhead", len(plan.seqs), 0, max(0.0, seconds - spent))
         elif plan.decoding and plan.decoding == len(plan.seqs):
-            self.times.record("plain", plan.decoding, plan.distinct, seconds)
+            self.times.record("plain", plan.decoding, plan.distinct, seconds, replace=plan.remeasure)
+            self._plain_probed |= plan.remeasure
 
     def estimates(self) -> dict[str, float]:
         return {name: a.ema for name, a in self.acceptance.items()}
@@ -255,6 +264,13 @@ class Gate:
 
     def probe_due(self) -> bool:
         return bool(self.probe_interval) and self.plain_streak >= self.probe_interval
+
+    def plain_probe_due(self, prompts: int) -> bool:
+        """A plain step is due to re-measure plain decoding: `base_probe_interval` cycles chosen on cost in a row,
+        times a back-off that doubles after every plain probe the gate answers with a cycle again (up to
+        MAX_PROBE_BACKOFF), back to 1 once plain wins. Not in a step with prompts, which would not be timed."""
+        interval = self.base_probe_interval * self.plain_probe_backoff
+        return bool(interval) and not prompts and self.spec_streak >= interval
 
     def hold_steps(self) -> int:
         """After decide(): how many plain steps of the same batch may follow without re-pricing. None unless the
@@ -371,6 +387,9 @@ class Gate:
             self.count(Decision.PLAIN_EXPLORE, "plain step time at this batch not measured yet")
             return False
         plain_rate = pricing.plain_rate(priced, t_plain)
+        if spec_rate > plain_rate and self.plain_probe_due(prompts):
+            self.count(Decision.PLAIN_PROBE, f"{self.spec_streak} cycles in a row on cost: re-measure plain")
+            return False
         if spec_rate > plain_rate:
             self.count(Decision.SPECULATE, f"{spec_rate:.1f} tok/s speculative > {plain_rate:.1f} tok/s plain")
             return True
@@ -382,6 +401,12 @@ class Gate:
         """Record a decision; it drives the probe back-off and the plain streak."""
         decision = Decision(decision)
         self.counters.gate_decisions[decision.value] += 1
+        if self._plain_probed and decision in (Decision.SPECULATE, Decision.PLAIN_COST):
+            lost = decision is Decision.SPECULATE  # priced with the fresh plain time, the cycle still wins
+            self.plain_probe_backoff = min(self.MAX_PROBE_BACKOFF, 2 * self.plain_probe_backoff) if lost else 1
+            self._plain_probed = False
+        self.spec_streak = self.spec_streak + 1 if decision is Decision.SPECULATE else 0
+        self.last_decision = decision
         if decision is Decision.SPECULATE_PROBE:
             self._probed = True
         elif decision.speculates:

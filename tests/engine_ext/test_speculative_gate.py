@@ -6,7 +6,7 @@ import time
 import pytest
 
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig, StepContext
-from engine_ext.speculation import Gate
+from engine_ext.speculation import Decision, Gate, StepResult
 from engine_ext.speculation.acceptance import AdapterAcceptance, expected_tokens
 from engine_ext.speculation.cost import StepTimes
 from engine_ext.scheduler import ScheduledBatch
@@ -62,7 +62,7 @@ def pin_times(engine, base, lora, plain):
     measure(times, "base", 4, 0, base)
     measure(times, "lora", 20, 1, lora)
     measure(times, "plain", 4, 1, plain)
-    times.record = lambda *measured: None
+    times.record = lambda *measured, **how: None
     engine.gate.times = times
 
 
@@ -468,6 +468,67 @@ def test_plain_held_without_repricing_and_still_plain_decodings_tokens(model):
     out = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
     decisions = engine.stats()["speculative"]["gate_decisions"]
     assert decisions.get("plain_cost", 0) > 0 and decisions.get("plain_hold", 0) > 0
+    plain = LLMEngine(EngineConfig(model=path, num_kv_blocks=256))
+    plain.add_adapter("far", adapters["far"])
+    ref = plain.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def test_plain_remeasured_after_a_run_of_cycles_with_back_off():
+    """Plain step time is measured only in plain steps: one measured high (a collection, a one-off cost) would keep
+    the gate drafting for good. After 64 cycles chosen on cost in a row one plain step re-measures it, its time
+    replacing the old one; a probe answered by a cycle again doubles the wait (128), one that finds plain faster
+    brings it back to 64. A cycle here: 5.42 tokens / 65 ms (83 tok/s)."""
+    gate = Gate(SpecConfig(num_draft_tokens=2, gate=True))
+    gate.adapter("x").ema = 0.9
+    measure(gate, "base", 2, 0, 0.010)
+    measure(gate, "lora", 6, 1, 0.045)
+    measure(gate, "plain", 2, 1, 0.400)  # measured high once: 5 tok/s
+    seqs = _decoding(["x", "x"])
+
+    def until_plain(plain_seconds):
+        cycles = 0
+        while True:
+            plan = gate.plan(ScheduledBatch(seqs, lookahead=2))
+            gate.observe(plan, StepResult(), 0.0 if plan.speculate else plain_seconds)
+            if not plan.speculate:
+                return cycles, gate.last_decision, plan.remeasure
+            cycles += 1
+
+    assert until_plain(0.300) == (64, Decision.PLAIN_PROBE, True)
+    assert gate.times.get("plain", 2, 1) == 0.300  # replaced, not averaged in
+    assert until_plain(0.012) == (128, Decision.PLAIN_PROBE, True)  # the first probe lost: twice the wait
+    plan = gate.plan(ScheduledBatch(seqs, lookahead=2))  # priced at 12 ms a plain step (167 tok/s): plain
+    assert not plan.speculate and gate.last_decision is Decision.PLAIN_COST and not plan.remeasure
+    assert gate.plain_probe_backoff == 1 and gate.decisions["plain_probe"] == 2
+    gate.spec_streak = 64
+    assert gate.plain_probe_due(prompts=0)
+    assert not gate.plain_probe_due(prompts=1)  # a plain step with a prompt is not timed: no probe in it
+
+
+def test_engine_remeasures_a_plain_time_measured_high(model):
+    """Through the engine: plain priced at 50 s a step (as if measured once during a stall), drafting at 0.5 s a
+    pass (the far adapter's drafts are rejected: a cycle gives a token). The gate drafts until the plain probe,
+    then the probe's real plain step time prices every later decision plain (the probe judged won: no back-off);
+    tokens are plain decoding's."""
+    path, adapters = model
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256,
+                                    speculative=SpecConfig(num_draft_tokens=4, min_acceptance=0.0)))
+    engine.add_adapter("far", adapters["far"])
+    times = StepTimes()
+    measure(times, "base", 4, 0, 0.5)
+    measure(times, "lora", 20, 1, 0.5)
+    measure(times, "plain", 4, 1, 50.0)
+    record = times.record
+    times.record = lambda kind, *measured, **how: record(kind, *measured, **how) if kind == "plain" else None
+    engine.gate.times, engine.gate.base_probe_interval = times, 8
+    prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    out = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
+    decisions = engine.stats()["speculative"]["gate_decisions"]
+    # (the step planned while the probe runs is priced at the old time: its time is read a step later)
+    assert 8 <= decisions["speculate"] <= 9 and decisions["plain_probe"] == 1 and decisions["plain_cost"] > 0
+    assert times.get("plain", 4, 1) < 5.0 and engine.gate.plain_probe_backoff == 1
     plain = LLMEngine(EngineConfig(model=path, num_kv_blocks=256))
     plain.add_adapter("far", adapters["far"])
     ref = plain.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
