@@ -1,6 +1,7 @@
 """AsyncLLMEngine: streaming tokens as they are produced, abort, and errors before the first token."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -44,6 +45,51 @@ def test_stream_matches_sync_generate(paths, aengine):
         assert [t for c in chunks for t in c.new_token_ids] == exp.token_ids
         assert chunks[-1].finished and chunks[-1].finish_reason == "length"
         assert not any(c.finished for c in chunks[:-1])
+
+
+def test_many_streams_on_two_loops_in_order_with_a_wakeup_per_step(paths, aengine):
+    """16 streams on each of two event loops (threads): each stream's tokens are sync generate's, in order, and the
+    engine thread wakes a loop at most once per step for their outputs (plus once per request, its admission):
+    handing each output over with its own wakeup cost the engine thread ~16 us an output (bench/async_host.py)."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [[i % 50 + 1, i % 7 + 2, 3] for i in range(32)]
+    names = ["a" if i % 3 else None for i in range(32)]
+    got, wakeups = {}, []
+
+    def serve(half: int) -> None:
+        async def collect(i):
+            tokens = []
+            async for out in aengine.generate(prompt_token_ids=prompts[i], sampling_params=params,
+                                              adapter_name=names[i], request_id=f"loop{half}-{i}"):
+                tokens += out.new_token_ids
+            got[i] = tokens
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            call, count = loop.call_soon_threadsafe, [0]
+
+            def counted(*a, **kw):
+                count[0] += 1
+                return call(*a, **kw)
+
+            loop.call_soon_threadsafe = counted
+            await asyncio.gather(*(collect(i) for i in range(half * 16, half * 16 + 16)))
+            wakeups.append(count[0])
+
+        asyncio.run(main())
+
+    steps = aengine.engine.stats()["num_steps"]
+    threads = [threading.Thread(target=serve, args=(h,)) for h in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    steps = aengine.engine.stats()["num_steps"] - steps
+    sync = LLMEngine(EngineConfig(model=paths[0], num_kv_blocks=256))
+    sync.add_adapter("a", paths[1])
+    expected = sync.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=names)
+    assert [got.get(i) for i in range(32)] == [e.token_ids for e in expected]
+    assert len(wakeups) == 2 and all(w <= steps + 16 for w in wakeups), (wakeups, steps)
 
 
 def test_abort_stops_the_stream(aengine):
