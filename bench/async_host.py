@@ -2,7 +2,9 @@
 asyncio consumers, on the CPU with a tiny random model whose forward is stubbed (fixed logits, at once), so every
 second is host work: the engine thread's steps and handing their outputs to the event loop, and the loop's consumers.
 Prints one JSON object per run: tokens per second through the streams, the engine thread's milliseconds per step
-(whole `step()` calls, and the part spent handing outputs to the loop), and the event loop's wakeups per step.
+(whole `step()` calls, and handing their outputs to the loop), the event loop's wakeups from the engine thread per
+step (each request's admission included), and the chunks each stream handed out (fewer than its tokens when it fell
+behind the engine: the outputs it missed come as one).
 
 `--tree DIR` imports the engine of another checkout (e.g. an earlier commit unpacked with `git archive`), so an A/B
 runs the same script over both:
@@ -49,7 +51,7 @@ def main() -> None:
         vocab, fixed = engine.runner.spec.vocab_size, {}
         # the logits rows asked for (a[3]: the logits indices), zeros: the step's time is its host work
         engine.runner.model.forward = lambda *a, **kw: fixed.setdefault(a[3].shape[0], torch.zeros(a[3].shape[0], vocab))
-        spent = {"step": 0.0, "deliver": 0.0, "steps": 0, "wakeups": 0}
+        spent = {"step": 0.0, "deliver": 0.0, "steps": 0, "wakeups": 0, "chunks": 0}
         step, deliver = engine.step, None
 
         def timed_step(*a, **kw):
@@ -80,6 +82,7 @@ def main() -> None:
             async for out in served.generate(prompt_token_ids=[(i * 7 + j) % 200 + 1 for j in range(16)],
                                               sampling_params=params, request_id=f"r{i}"):
                 n += len(out.new_token_ids)
+                spent["chunks"] += 1
             return n
 
         async def serve() -> tuple[int, float, int]:
@@ -103,7 +106,8 @@ def main() -> None:
                           "tokens_per_s": round(tokens / seconds), "steps": spent["steps"],
                           "engine_ms_per_step": round(spent["step"] / steps * 1e3, 3),
                           "deliver_ms_per_step": round(spent["deliver"] / steps * 1e3, 3),
-                          "wakeups_per_step": round(spent["wakeups"] / steps, 2)}), flush=True)
+                          "wakeups_per_step": round(spent["wakeups"] / steps, 2),
+                          "chunks_per_request": round(spent["chunks"] / args.batch, 1)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -16,6 +17,14 @@ from .sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 _FAILED = object()
+
+
+def joined(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the later one, with what it adds to the first's (new tokens,
+    their text and log-probabilities) prefixed by the first's."""
+    logprobs = None if later.new_logprobs is None else (first.new_logprobs or []) + later.new_logprobs
+    return dataclasses.replace(later, new_token_ids=first.new_token_ids + later.new_token_ids,
+                               delta_text=first.delta_text + later.delta_text, new_logprobs=logprobs)
 
 
 class AsyncLLMEngine:
@@ -132,9 +141,18 @@ class AsyncLLMEngine:
             self._arrivals.put(add)
             self._wake.set()
             await added  # validation errors surface here, before any token
+            held = None
             while True:
-                item = await q.get()
-                if isinstance(item, tuple) and item and item[0] is _FAILED:
+                item, held = (held, None) if held is not None else (await q.get(), None)
+                # A consumer behind the engine takes every output waiting for it as one (its deltas joined): one
+                # chunk for the server to send instead of one per step it missed
+                while isinstance(item, RequestOutput) and not item.finished and not q.empty():
+                    later = q.get_nowait()
+                    if not isinstance(later, RequestOutput):  # a failure: what came before it goes out first
+                        held = later
+                        break
+                    item = joined(item, later)
+                if not isinstance(item, RequestOutput):
                     raise RuntimeError(f"engine failed while serving {request_id}: {item[1]}")
                 yield item
                 if item.finished:

@@ -92,6 +92,32 @@ def test_many_streams_on_two_loops_in_order_with_a_wakeup_per_step(paths, aengin
     assert len(wakeups) == 2 and all(w <= steps + 16 for w in wakeups), (wakeups, steps)
 
 
+def test_a_consumer_behind_the_engine_gets_the_outputs_it_missed_as_one(paths, aengine):
+    """A stream read only after the engine has run ahead hands out every waiting output as one chunk: its new tokens
+    and log-probabilities joined in order, as sync generate's; the last chunk the finished one."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
+
+    async def main():
+        chunks = []
+        async for out in aengine.generate(prompt_token_ids=[3, 1, 4], sampling_params=params, adapter_name="a"):
+            chunks.append(out)
+            if len(chunks) == 1:
+                while aengine.engine.has_unfinished_requests:  # the engine runs to the end meanwhile
+                    await asyncio.sleep(0.01)
+        return chunks
+
+    chunks = asyncio.run(main())
+    sync = LLMEngine(EngineConfig(model=paths[0], num_kv_blocks=256))
+    sync.add_adapter("a", paths[1])
+    (expected,) = sync.generate(prompt_token_ids=[[3, 1, 4]], sampling_params=params, adapter_names=["a"])
+    # (one chunk, had the engine finished before the stream's first read; 40 without joining)
+    assert len(chunks) <= 2 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert [t for c in chunks for t in c.new_token_ids] == expected.token_ids == chunks[-1].token_ids
+    joined = [lp for c in chunks for lp in c.new_logprobs]
+    assert [lp.token_id for lp in joined] == expected.token_ids
+    assert [lp.logprob for lp in joined] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-5)
+
+
 def test_abort_stops_the_stream(aengine):
     async def main():
         seen = 0
