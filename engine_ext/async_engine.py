@@ -19,12 +19,15 @@ logger = logging.getLogger(__name__)
 _FAILED = object()
 
 
-def joined(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one: the later one, with what it adds to the first's (new tokens,
-    their text and log-probabilities) prefixed by the first's."""
-    logprobs = None if later.new_logprobs is None else (first.new_logprobs or []) + later.new_logprobs
-    return dataclasses.replace(later, new_token_ids=first.new_token_ids + later.new_token_ids,
-                               delta_text=first.delta_text + later.delta_text, new_logprobs=logprobs)
+def joined(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: the last, with what each added (new tokens, their text and
+    log-probabilities) joined in order."""
+    last = outputs[-1]
+    if len(outputs) == 1:
+        return last
+    logprobs = None if last.new_logprobs is None else [lp for o in outputs for lp in o.new_logprobs or ()]
+    return dataclasses.replace(last, new_token_ids=[t for o in outputs for t in o.new_token_ids],
+                               delta_text="".join(o.delta_text for o in outputs), new_logprobs=logprobs)
 
 
 class AsyncLLMEngine:
@@ -146,12 +149,15 @@ class AsyncLLMEngine:
                 item, held = (held, None) if held is not None else (await q.get(), None)
                 # A consumer behind the engine takes every output waiting for it as one (its deltas joined): one
                 # chunk for the server to send instead of one per step it missed
-                while isinstance(item, RequestOutput) and not item.finished and not q.empty():
-                    later = q.get_nowait()
-                    if not isinstance(later, RequestOutput):  # a failure: what came before it goes out first
-                        held = later
-                        break
-                    item = joined(item, later)
+                if isinstance(item, RequestOutput) and not item.finished and not q.empty():
+                    waiting = [item]
+                    while not waiting[-1].finished and not q.empty():
+                        later = q.get_nowait()
+                        if not isinstance(later, RequestOutput):  # a failure: what came before it goes out first
+                            held = later
+                            break
+                        waiting.append(later)
+                    item = joined(waiting)
                 if not isinstance(item, RequestOutput):
                     raise RuntimeError(f"engine failed while serving {request_id}: {item[1]}")
                 yield item
