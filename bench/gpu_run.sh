@@ -63,14 +63,15 @@ for step in $STEPS; do
       done ;;
     busy)  # issue 28: GPU busy fraction (torch.profiler: the union of kernel intervals over the run's wall time), tok/s
       # and host time per step for every mode on identical open-loop traffic, in this tree and in $AB_TREE (an
-      # earlier commit unpacked beside it: git archive <commit> | tar -x -C .ab/<commit>), one shape at a time
+      # earlier commit unpacked beside it: git archive <commit> | tar -x -C .ab/<commit>), one shape at a time;
+      # BUSY_LOOP=served replays through AsyncLLMEngine as a replica serves (a tree older than 7d7e2b5 has no --loop)
       for shape in ${BUSY_SHAPES:-llama-3.2-1b}; do
         for tree in . ${AB_TREE:-}; do
           name="busy-$shape-$(basename "$(cd "$tree" && pwd)")"
           timeout ${BUSY_TIMEOUT:-300} python3 bench/gpu_busy.py --tree "$tree" --out "$OUT/$name.json" -- \
             --shape "$shape" --rank ${BUSY_RANK:-16} --mix ${BUSY_MIX:-near} --modes ${BUSY_MODES:-base plain gated forced} \
             --runs ${BUSY_RUNS:-burst burst} --requests ${BUSY_REQUESTS:-300} --warmup ${BUSY_WARMUP:-50} \
-            2>"$OUT/$name.log" >/dev/null
+            ${BUSY_LOOP:+--loop $BUSY_LOOP} 2>"$OUT/$name.log" >/dev/null
           echo "$name rc $?"; grep '^busy\|^compare\|crash\|Error' "$OUT/$name.log" | tail -12
           pack
         done

@@ -5,6 +5,7 @@ the previous ones finish, and each one's first-token and inter-token times are m
     python bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --spec 4   # the H200
     python bench/serve_load.py --shape llama-3.2-1b --spec 0 --compile-cache /tmp/empty           # cold start
     python bench/serve_load.py --modes base plain gated forced --mix near --runs poisson:30 burst  # modes compared
+    python bench/serve_load.py --loop served --runs burst    # through AsyncLLMEngine, as a replica serves
 
 Every mode (`--modes`) serves every run's traffic: the same arrivals, lengths and adapters (for "base", the same
 requests on the base model alone). Prints one JSON object: the engine's start-up seconds, then per mode and run
@@ -104,13 +105,18 @@ class StepClock:
         self.t += self.pass_dt
 
 
-def replay(engine, requests: list[Request], clock, params_for, max_steps: int | None = None) -> list[Record]:
+def replay(engine, requests: list[Request], clock, params_for, max_steps: int | None = None,
+           served: bool = False) -> list[Record]:
     """Drive `engine.step()` under open-loop arrivals: before each step, add every request that has arrived and
     abort those past their `abort_after`; during a step, a speculative cycle takes in those that arrive between
     its passes (StepContext.arrivals) and hands out first tokens before it ends (StepContext.publish, recorded at
     that moment), as a serving loop's does. `params_for(request)` gives its SamplingParams. A request the engine
-    refuses is recorded with its error, not raised. Returns one record per request, in arrival order."""
+    refuses is recorded with its error, not raised. Returns one record per request, in arrival order.
+    `served`: through the loop an LLM replica runs instead (`replay_served`; wall clock only)."""
     from engine_ext import StepContext
+
+    if served:
+        return replay_served(engine, requests, params_for)
 
     records = {r.request_id: Record(r) for r in requests}
     pending = list(requests)
@@ -161,6 +167,46 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
         steps += 1
         if max_steps is not None and steps >= max_steps:
             break
+    return [records[r.request_id] for r in requests]
+
+
+def replay_served(engine, requests: list[Request], params_for) -> list[Record]:
+    """`replay` through AsyncLLMEngine, as an LLM replica serves: each request an asyncio client that sends it at its
+    arrival and reads its stream, on the wall clock; the engine's thread steps while outputs cross to the event
+    loop (the host work a replica adds to the step loop). The engine is left open for the next run."""
+    import asyncio
+
+    from engine_ext import AsyncLLMEngine
+
+    records = {r.request_id: Record(r) for r in requests}
+    clock = WallClock()
+    served = AsyncLLMEngine(engine.config, engine)
+
+    async def client(r: Request) -> None:
+        rec = records[r.request_id]
+        await asyncio.sleep(max(0.0, r.arrival - clock.now()))
+        rec.added = clock.now()
+        try:
+            async for out in served.generate(prompt_token_ids=r.prompt, sampling_params=params_for(r),
+                                             adapter_name=r.adapter, request_id=r.request_id):
+                if out.new_token_ids:
+                    rec.token_times.append(clock.now())
+                    rec.token_counts.append(len(out.new_token_ids))
+                    rec.token_ids += out.new_token_ids
+                if out.finished:
+                    rec.finish_reason = out.finish_reason
+                elif r.abort_after is not None and len(rec.token_ids) >= r.abort_after:
+                    await served.abort(r.request_id)
+        except ValueError as exc:  # refused when added
+            rec.error, rec.finish_reason = str(exc), "error"
+
+    async def clients() -> None:
+        await asyncio.gather(*(client(r) for r in requests))
+
+    try:
+        asyncio.run(clients())
+    finally:
+        served.shutdown(close_engine=False)
     return [records[r.request_id] for r in requests]
 
 
@@ -324,6 +370,8 @@ def main() -> None:
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
+    ap.add_argument("--loop", choices=["step", "served"], default="step",
+                    help="drive engine.step() directly, or through AsyncLLMEngine with an asyncio client per request")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = args.modes or ["plain" if not args.spec else "forced" if args.no_gate else "gated"]
@@ -351,7 +399,7 @@ def main() -> None:
     ready_entries = _cache_entries(args.compile_cache)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
-    result = {"machine": machine(), "shape": args.shape, "tp": args.tp, "spec": args.spec, "modes": modes, "mix": args.mix,
+    result = {"machine": machine(), "loop": args.loop, "shape": args.shape, "tp": args.tp, "spec": args.spec, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
               "startup": startup, "cache_entries_before": before,
               "cache_entries_ready": ready_entries, "runs": []}
@@ -377,14 +425,14 @@ def main() -> None:
         if args.warmup:
             warm = traffic_for(0, args.runs[0], mode, args.warmup)
             replay(engine, [dataclasses.replace(r, request_id="w" + r.request_id) for r in warm], WallClock(),
-                   params_for)
+                   params_for, served=args.loop == "served")
         for i, run_spec in enumerate(args.runs):
             requests = traffic_for(i, run_spec, mode, args.requests)
             run = {"run": run_spec, "mode": mode}
             stats_before = engine.stats()
             start = time.perf_counter()
             try:
-                records = replay(engine, requests, WallClock(), params_for)
+                records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
                 run |= summarize(records, time.perf_counter() - start)
                 run["outputs"] = outputs_digest(records)
             except Exception as exc:  # a crash is the result: report it, with how far the run got

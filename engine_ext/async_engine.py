@@ -209,8 +209,11 @@ class AsyncLLMEngine:
         with self._lock:
             return self.engine.stats()
 
-    def shutdown(self) -> None:
+    def shutdown(self, close_engine: bool = True) -> None:
+        """Stop the loop thread, then close the engine (`close_engine`: False leaves it usable, e.g. by another
+        AsyncLLMEngine)."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
-        self.engine.close()
+        if close_engine:
+            self.engine.close()

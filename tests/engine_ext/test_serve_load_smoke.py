@@ -37,3 +37,24 @@ def test_every_mode_serves_the_same_traffic_and_drafting_is_lossless(tmp_path):
     assert row["run"] == "poisson:50" and row["outputs_equal_plain"] is True
     for key in ("gated_over_base_tput", "gated_over_plain_ttft_p50", "gated_over_plain_tpot_p99", "gated_over_best_tput"):
         assert row[key] > 0, key
+
+
+def test_the_served_loop_replays_the_same_traffic_to_the_same_outputs(tmp_path):
+    """`--loop served` (AsyncLLMEngine, an asyncio client per request, as a replica serves) decodes what the step
+    loop does on the same traffic, every request to its end."""
+    def run(loop: str) -> dict:
+        cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--device", "cpu", "--shape", "tiny",
+               "--adapters", "4", "--max-loras", "2", "--rank", "8", "--requests", "12", "--runs", "burst",
+               "--modes", "plain", "forced", "--prompt-len", "8", "24", "--output-len", "4", "16",
+               "--cpu-threads", "1", "--work-dir", str(tmp_path), "--loop", loop]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
+    step, served = run("step"), run("served")
+    assert served["loop"] == "served" and step["loop"] == "step"
+    for mode in ("plain", "forced"):
+        s = next(r for r in served["runs"] if r["mode"] == mode)
+        assert "crash" not in s and s["finished"] == 12 and s["free_kv_blocks_after"], s
+        assert s["ttft_ms"]["p50"] is not None and s["tokens_per_s"] > 0
+        assert s["outputs"] == next(r for r in step["runs"] if r["mode"] == mode)["outputs"]
