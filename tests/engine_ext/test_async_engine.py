@@ -50,7 +50,7 @@ def test_stream_matches_sync_generate(paths, aengine):
 def test_many_streams_on_two_loops_in_order_with_a_wakeup_per_step(paths, aengine):
     """16 streams on each of two event loops (threads): each stream's tokens are sync generate's, in order, and the
     engine thread wakes a loop at most once per step for their outputs (plus once per request, its admission):
-    handing each output over with its own wakeup cost the engine thread ~16 us an output (bench/async_host.py)."""
+    handing each output over with its own wakeup cost the engine thread ~21 us an output (bench/async_host.py)."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = [[i % 50 + 1, i % 7 + 2, 3] for i in range(32)]
     names = ["a" if i % 3 else None for i in range(32)]
