@@ -46,6 +46,15 @@ class Record:
     finish_reason: str | None = None
     error: str | None = None
 
+    def took(self, out, now: float) -> None:
+        """One output of its stream (a RequestOutput), handed out at `now`."""
+        if out.new_token_ids:
+            self.token_times.append(now)
+            self.token_counts.append(len(out.new_token_ids))
+            self.token_ids += out.new_token_ids
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
     @property
     def ttft(self) -> float | None:
         return self.token_times[0] - self.request.arrival if self.token_times else None
@@ -141,13 +150,8 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
 
     def record(outs, now: float) -> None:
         for out in outs:
-            rec = records[out.request_id]
-            if out.new_token_ids:
-                rec.token_times.append(now)
-                rec.token_counts.append(len(out.new_token_ids))
-                rec.token_ids += out.new_token_ids
+            records[out.request_id].took(out, now)
             if out.finished:
-                rec.finish_reason = out.finish_reason
                 live.discard(out.request_id)
 
     # first tokens handed out during a cycle are recorded when they come
@@ -189,13 +193,8 @@ def replay_served(engine, requests: list[Request], params_for) -> list[Record]:
         try:
             async for out in served.generate(prompt_token_ids=r.prompt, sampling_params=params_for(r),
                                              adapter_name=r.adapter, request_id=r.request_id):
-                if out.new_token_ids:
-                    rec.token_times.append(clock.now())
-                    rec.token_counts.append(len(out.new_token_ids))
-                    rec.token_ids += out.new_token_ids
-                if out.finished:
-                    rec.finish_reason = out.finish_reason
-                elif r.abort_after is not None and len(rec.token_ids) >= r.abort_after:
+                rec.took(out, clock.now())
+                if not out.finished and r.abort_after is not None and len(rec.token_ids) >= r.abort_after:
                     await served.abort(r.request_id)
         except ValueError as exc:  # refused when added
             rec.error, rec.finish_reason = str(exc), "error"

@@ -54,16 +54,19 @@ def measure(gate_or_times, kind, tokens, adapters, seconds):
         times.record(kind, tokens, adapters, seconds)
 
 
-def pin_times(engine, base, lora, plain):
+def pin_times(engine, base, lora, plain, still_measured=()):
     """The engine's cost model fixed at these seconds per pass (base: 4 tokens; lora: a 4-sequence verify of 4
-    drafts each; plain: a 4-sequence plain step; no overhead) whatever this machine measures: how the tiny model's
-    passes compare on a CPU depends on the machine, and a test of what the engine does with a decision must not."""
+    drafts each; plain: a 4-sequence plain step; no overhead) whatever this machine measures, but for the pass kinds
+    `still_measured`: how the tiny model's passes compare on a CPU depends on the machine, and a test of what the
+    engine does with a decision must not. Returns the engine's StepTimes."""
     times = StepTimes()
     measure(times, "base", 4, 0, base)
     measure(times, "lora", 20, 1, lora)
     measure(times, "plain", 4, 1, plain)
-    times.record = lambda *measured, **how: None
+    record = times.record
+    times.record = lambda kind, *measured, **how: record(kind, *measured, **how) if kind in still_measured else None
     engine.gate.times = times
+    return times
 
 
 def test_draft_length_follows_acceptance_and_cost():
@@ -515,13 +518,8 @@ def test_engine_remeasures_a_plain_time_measured_high(model):
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256,
                                     speculative=SpecConfig(num_draft_tokens=4, min_acceptance=0.0)))
     engine.add_adapter("far", adapters["far"])
-    times = StepTimes()
-    measure(times, "base", 4, 0, 0.5)
-    measure(times, "lora", 20, 1, 0.5)
-    measure(times, "plain", 4, 1, 50.0)
-    record = times.record
-    times.record = lambda kind, *measured, **how: record(kind, *measured, **how) if kind == "plain" else None
-    engine.gate.times, engine.gate.base_probe_interval = times, 8
+    times = pin_times(engine, base=0.5, lora=0.5, plain=50.0, still_measured=("plain",))
+    engine.gate.base_probe_interval = 8
     prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     out = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
