@@ -52,7 +52,7 @@ def main() -> None:
         # the logits rows asked for (a[3]: the logits indices), zeros: the step's time is its host work
         engine.runner.model.forward = lambda *a, **kw: fixed.setdefault(a[3].shape[0], torch.zeros(a[3].shape[0], vocab))
         spent = {"step": 0.0, "deliver": 0.0, "steps": 0, "wakeups": 0, "chunks": 0}
-        step, deliver = engine.step, None
+        step = engine.step
 
         def timed_step(*a, **kw):
             start = time.perf_counter()
@@ -85,7 +85,7 @@ def main() -> None:
                 spent["chunks"] += 1
             return n
 
-        async def serve() -> tuple[int, float, int]:
+        async def serve() -> tuple[int, float]:
             loop = asyncio.get_running_loop()
             call = loop.call_soon_threadsafe
 
