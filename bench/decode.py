@@ -126,7 +126,10 @@ def forward_point(engine, names: list[str | None], tokens_per_seq: int, use_lora
     lora_on = use_lora and any(n is not None for n in names)
     # a bare replay of rank 0's graph alone would wait forever on the other ranks' collectives
     tp = engine.config.tensor_parallel_size
-    gpu_ms = replay_ms(runner.graphs.graphs[(bucket, lora_on)][0], iters) if tp == 1 else None
+    graphs = runner.graphs.graphs
+    kind = (bucket, lora_on, lora_on and tokens_per_seq > 1)
+    kind = kind if kind in graphs else kind[:2]  # an engine before graphs were kept per tokens a sequence (A/B)
+    gpu_ms = replay_ms(graphs[kind][0], iters) if tp == 1 else None
     return {"step_ms": step_ms, "step_ms_p99": step_p99, "gpu_ms": gpu_ms, "bucket": bucket}
 
 
@@ -390,18 +393,20 @@ def forward_points(engine, tag, max_distinct, args, results) -> None:
             results["forward"].append(rec)
             print(json.dumps({k: rec[k] for k in ("shape", "rank", "mode", "batch", "adapters", "gpu_ms", "step_ms",
                                                   "bytes_model_ms", "bw_fraction")}), flush=True)
-    # ---- forward level: draft (base) and verify (k+1 tokens, adapters on) passes at batch 32
-    batch = 32 if 32 in args.batches else args.batches[0]
-    distinct = min(batch, max_distinct, 32)
-    names = [f"a{i % distinct}" for i in range(batch)]
-    activate(engine, sorted(set(names)))
-    for k in range(1, MAX_K + 1):
-        point = forward_point(engine, names, k + 1, True, args.iters)
-        bm = bytes_model(engine, batch, distinct, rank, CONTEXT)
-        results["forward"].append(dict(tag, mode=f"verify_k{k}", batch=batch, adapters=distinct,
-                                       tokens=batch * (k + 1), **point, **bm,
-                                       bw_fraction=bm["bytes_model_ms"] / point["gpu_ms"]))
-        print(f"verify k={k}: gpu {point['gpu_ms']:.3f} ms, step {point['step_ms']:.3f} ms", flush=True)
+    # ---- forward level: verify passes (k+1 tokens a sequence, adapters on), one distinct adapter a sequence (up to
+    # 32), at each batch; the plain step of the same batch and adapters is the "plain" point above
+    for batch in args.batches:
+        distinct = min(batch, max_distinct, 32)
+        names = [f"a{i % distinct}" for i in range(batch)]
+        activate(engine, sorted(set(names)))
+        for k in range(1, MAX_K + 1):
+            point = forward_point(engine, names, k + 1, True, args.iters)
+            bm = bytes_model(engine, batch, distinct, rank, CONTEXT)
+            results["forward"].append(dict(tag, mode=f"verify_k{k}", batch=batch, adapters=distinct,
+                                           tokens=batch * (k + 1), **point, **bm,
+                                           bw_fraction=bm["bytes_model_ms"] / point["gpu_ms"]))
+            print(f"batch {batch} verify k={k}: gpu {point['gpu_ms']:.3f} ms, step {point['step_ms']:.3f} ms",
+                  flush=True)
 
 
 def engine_points(engine, tag, max_distinct, args, results, dump) -> None:

@@ -25,6 +25,13 @@ class AttnMetadata:
     # The attention kernel this forward runs (same signature as paged_attention); None: the torch
     # reference below. Set per forward by the model runner (backend.Backend.attention).
     kernel: Callable | None = None
+    # Some sequence has several query tokens (a verify pass, a prompt): kernels may tile for that. None: from
+    # max_query_len (a CUDA graph, whose max_query_len is its bucket, says which kind it was captured for).
+    multi: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.multi is None:
+            self.multi = self.max_query_len > 1
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):

@@ -7,7 +7,8 @@ the config's KernelSettings):
   group ("gather": the per-token torch reference);
 - attn_backend: paged attention;
 - layer_ops: the decoder layer's element-wise work (norms, rotary + KV write, SiLU); "triton" fuses it and,
-  with lora_backend "triton" too, folds the LoRA math of decode-sized forwards into the same kernels.
+  with lora_backend "triton" too, folds the LoRA math of graph-sized forwards (decode steps, drafting and verify
+  passes) into the same kernels.
 """
 
 from __future__ import annotations
@@ -55,5 +56,5 @@ class Backend:
         if config.layer_ops == "triton":
             from .kernels.triton_fused import TritonOps
 
-            layer_ops = TritonOps(settings, device)
+            layer_ops = TritonOps(settings, device, max_group_tokens=config.max_graph_tokens)
         return cls(layer_ops, lora_op, group_lora_op, attention)

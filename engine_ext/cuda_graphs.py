@@ -1,7 +1,9 @@
 """CUDA graphs for decode-shaped forwards (plain decode, base-only drafting, speculative verify).
 
-One graph per (token bucket, adapters on/off). A forward of T tokens replays the graph of the
-smallest bucket >= T; the T..bucket padding tokens are token id 0 at position 0 of a scratch KV
+One graph per (token bucket, adapters on/off), and with adapters on one for forwards of one token per
+sequence (decode steps) and one for forwards with several (verify passes, prompts: the layer ops fold their LoRA
+math a group of tokens on one adapter at a time there, and attention tiles several query tokens). A forward of T
+tokens replays the graph of the smallest bucket >= T; the T..bucket padding tokens are token id 0 at position 0 of a scratch KV
 block the block manager never hands out, on the zero adapter slot, so they touch no real state.
 Everything that varies between steps lives in static device buffers that are graph inputs:
 token ids, positions, KV slots, block tables, each token's adapter slot. The adapter weights are
@@ -61,24 +63,31 @@ class DecodeGraphs:
         self.rows = torch.zeros(BUFFER_ROWS, tmax, dtype=torch.long, device=device)
         self.tables = torch.full((tmax + 1, width), scratch_block, dtype=torch.long, device=device)
         self.staging = Staging(tmax, tmax + 1, width, device, fill=scratch_block)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, adapters on, several tokens per sequence) -> (graph, its logits buffer)
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds: float | None = None
         self._slots = None
 
-    def _forward(self, bucket: int, use_lora: bool) -> torch.Tensor:
+    def kinds(self) -> list[tuple[int, bool, bool]]:
+        """Every graph's key: each bucket adapters off, and on for one token per sequence and (buckets > 1) for
+        several."""
+        return [(b, on, multi) for b in self.buckets for on, multi in ((False, False), (True, False), (True, True))
+                if b > 1 or not multi]
+
+    def _forward(self, bucket: int, use_lora: bool, multi: bool) -> torch.Tensor:
         from .model import LoRABatch
 
         r = self.rows
         meta = AttnMetadata(positions=r[POS, :bucket], slot_mapping=r[KV_SLOT, :bucket],
                             block_tables=self.tables[: bucket + 1], token_seq=r[SEQ, :bucket],
-                            token_qidx=r[QIDX, :bucket], max_query_len=bucket, kernel=self.attn_op)
+                            token_qidx=r[QIDX, :bucket], max_query_len=bucket, kernel=self.attn_op, multi=multi)
         s = self._slots
         lora = LoRABatch.from_slots(self.lora_op, r[LORA, :bucket], s, self.group_lora_op) if use_lora else None
         return self.model(r[IDS, :bucket], meta, self.kv_caches, r[LOGITS, :bucket], lora)
 
     @torch.inference_mode()
     def capture(self, slots) -> float:
-        """Capture every (bucket, adapters on/off) graph against these slot stacks; returns seconds taken."""
+        """Capture every graph (`kinds`) against these slot stacks; returns seconds taken."""
         start = time.perf_counter()
         self._slots = slots
         self.rows.zero_()
@@ -89,11 +98,10 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compile the kernels outside any capture
-            for use_lora in (False, True):
-                # Every bucket once: a kernel specialised on a size (split counts, tiles) compiles here, never
-                # inside a capture, where loading a module is not permitted.
-                for bucket in self.buckets:
-                    self._forward(bucket, use_lora)
+            # Every kind once: a kernel specialised on a size (split counts, tiles) compiles here, never inside a
+            # capture, where loading a module is not permitted.
+            for kind in self.kinds():
+                self._forward(*kind)
         torch.cuda.current_stream(self.device).wait_stream(side)
         # No garbage collection inside a capture: a finalizer that touches CUDA there (an earlier engine's
         # pinned buffers or events, freed by a collection the forward's allocations happen to trigger)
@@ -102,12 +110,11 @@ class DecodeGraphs:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            for bucket in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool memory
-                for use_lora in (False, True):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = self._forward(bucket, use_lora)
-                    self.graphs[(bucket, use_lora)] = (graph, out)
+            for kind in reversed(self.kinds()):  # largest first, so smaller graphs reuse its pool memory
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(*kind)
+                self.graphs[kind] = (graph, out)
         finally:
             if collecting:
                 gc.enable()
@@ -142,6 +149,7 @@ class DecodeGraphs:
         total = sum(len(w.token_ids) for w in work)
         bucket = next(b for b in self.buckets if b >= total)
         use_lora = use_lora and any(w.lora_slot != slots.zero_slot for w in work)
+        multi = use_lora and any(len(w.token_ids) > 1 for w in work)
         if self.limits is not None:
             check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
         host = self.staging.take()
@@ -155,7 +163,7 @@ class DecodeGraphs:
         host.copied.record()
         if tokens is not None or shifts is not None:
             apply_sources(self.rows[:, :bucket], self.tables, self.block_size, tokens, shifts)
-        graph, out = self.graphs[(bucket, use_lora)]
+        graph, out = self.graphs[(bucket, use_lora, multi)]
         graph.replay()
         logits = out[:num_logits]
         positions = self.rows[POS].index_select(0, self.rows[LOGITS, :num_logits])

@@ -1,12 +1,12 @@
 """The kernels an engine runs are chosen once from its EngineConfig (backend.Backend) and the model is built
-with its element-wise ops; only ops that fold LoRA take the LoRA math, and only at decode sizes."""
+with its element-wise ops; only ops that fold LoRA take the LoRA math, and only for graph-sized forwards."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from engine_ext import EngineConfig
+from engine_ext import EngineConfig, KernelSettings
 from engine_ext.backend import Backend
 from engine_ext.lora_ops import add_lora_dense, add_lora_reference
 from engine_ext.model import CausalLM, TorchOps
@@ -28,20 +28,29 @@ def test_the_plain_torch_backend(tmp_path, lora_backend, op):
 
 def test_torch_ops_never_fold_lora():
     model = CausalLM(SPEC, torch.float32, TorchOps())
-    assert not model.folds_lora(GROUPED, 1)
+    assert model.lora_fold(GROUPED, 1, False) == 0
+    assert model.lora_fold(GROUPED, 8, True) == 0
 
 
 class _FoldingOps(TorchOps):
+    """Ops that fold LoRA by the Triton ops' rule (KernelSettings.lora_fold), graphs of up to 64 tokens."""
+
     fuses_lora = True
-    max_fused_lora_tokens = 4
+
+    @staticmethod
+    def lora_fold(num_tokens, multi):
+        return KernelSettings().lora_fold(num_tokens, multi, 64)
 
 
-@pytest.mark.parametrize("lora,tokens,folds", [
-    (GROUPED, 4, True),
-    (GROUPED, 5, False),  # past the decode sizes: the group op after each product
-    (SimpleNamespace(groups=None), 1, False),  # no fused group stacks to pass
-    (None, 1, False),  # no adapters in the batch
+@pytest.mark.parametrize("lora,tokens,multi,fold", [
+    (GROUPED, 4, False, 1),  # decode: token by token
+    (GROUPED, 32, False, 1),
+    (GROUPED, 33, False, 16),  # past one wave: a group of tokens on one adapter at a time
+    (GROUPED, 10, True, 16),  # a verify pass (several tokens of a sequence)
+    (GROUPED, 65, True, 0),  # past the graphs (a long eager prefill): the group op after each product
+    (SimpleNamespace(groups=None), 1, False, 0),  # no fused group stacks to pass
+    (None, 1, False, 0),  # no adapters in the batch
 ])
-def test_folding_ops_take_the_lora_math_at_decode_sizes(lora, tokens, folds):
+def test_folding_ops_take_the_lora_math_of_graph_sized_forwards(lora, tokens, multi, fold):
     model = CausalLM(SPEC, torch.float32, _FoldingOps())
-    assert model.folds_lora(lora, tokens) is folds
+    assert model.lora_fold(lora, tokens, multi) == fold

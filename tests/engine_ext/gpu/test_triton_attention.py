@@ -75,6 +75,8 @@ def test_mixed_query_lengths_and_prefill_through_the_dispatching_reference():
     {"attn_block_n": 128, "attn_stages": 1, "attn_rows": 16},
     {"attn_block_n": 32, "attn_stages": 4, "attn_rows": 64},
     {"attn_block_n": 128, "attn_stages": 2, "attn_rows": 32},  # a 5-token verify run in one tile
+    {"attn_block_n": 64, "attn_stages": 2, "attn_rows": 16, "attn_rows_multi": 64},  # 16-token tiles for runs
+    {"attn_block_n": 128, "attn_stages": 2, "attn_rows": 16, "attn_rows_multi": 0},  # one tile for every run
 ])
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 128)])
 def test_every_launch_setting_matches_the_reference(setting, dtype, head_dim):
@@ -84,7 +86,7 @@ def test_every_launch_setting_matches_the_reference(setting, dtype, head_dim):
     from engine_ext.kernels.triton_attention import paged_attention_triton
 
     gen = torch.Generator("cuda").manual_seed(head_dim + setting["attn_block_n"])
-    lens, qlens = [300, 5, 129, 64, 17, 400], [1, 5, 5, 1, 3, 1]
+    lens, qlens = [300, 5, 129, 64, 17, 400, 40], [1, 5, 5, 1, 3, 1, 17]  # (17: a run past one wide tile)
     q, kc, vc, meta = _case(lens, qlens, 32, 8, head_dim, 16, dtype, gen)
     ref = paged_attention(q.float(), kc.float(), vc.float(), meta, head_dim**-0.5)
     out = paged_attention_triton(q, kc, vc, meta, head_dim**-0.5, settings=KernelSettings(**setting))
