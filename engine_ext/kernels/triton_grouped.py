@@ -66,10 +66,10 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, a_ptr, sl
     _wait_then_release(PDL)
     t = tl.program_id(0)
     split = tl.program_id(1)
-    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, ROWS)
+    slot, leader, first_rows, rows = _run_rows(slots_ptr, t, T, ROWS)
     if leader:
         dt = out_ptr.dtype.element_ty
-        offs_t = offs_t.to(tl.int64)
+        offs_t = first_rows.to(tl.int64)
         # rstd over each whole row (every split recomputes it from its rows: a few KB each)
         sq = tl.zeros([ROWS], dtype=tl.float32)
         for c0 in range(0, N, BK):
@@ -168,9 +168,9 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, kv_s
     _wait_then_release(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
-    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, ROWS)
+    slot, leader, first_rows, rows = _run_rows(slots_ptr, t, T, ROWS)
     if leader:
-        offs_t = offs_t.to(tl.int64)
+        offs_t = first_rows.to(tl.int64)
         offs = tl.arange(0, HALF)
         m = rows[:, None]
         src = qkv_ptr + offs_t[:, None] * stride_t + h * (2 * HALF) + offs[None, :]
@@ -255,9 +255,9 @@ def _silu_mul_kernel(gu_ptr, out_ptr, T, N, stride_g, stride_o,
     _wait_then_release(PDL)
     t = tl.program_id(0)
     nb = tl.program_id(1)
-    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, ROWS)
+    slot, leader, first_rows, rows = _run_rows(slots_ptr, t, T, ROWS)
     if leader:
-        offs_t = offs_t.to(tl.int64)
+        offs_t = first_rows.to(tl.int64)
         dt = out_ptr.dtype.element_ty
         do_lora = slot != skip_slot
         offs_r2 = tl.arange(0, BLOCK_R2)
