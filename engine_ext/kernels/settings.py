@@ -56,9 +56,13 @@ class KernelSettings:
     # math a group of up to group_rows tokens on one adapter at a time (each adapter tile read once per group).
     # 0: such forwards apply LoRA with the split kernels after each product instead.
     group_rows: int = 16
+    group_norm: int = 1  # 0: grouped forwards' norms (and their shrinks) take the per-token kernel, rope/SiLU grouped
     group_norm_chunk: int = 256  # columns of one grouped add_rms_norm program (its share of the shrink)
     group_sb: int = 0  # columns per inner step of the grouped silu_mul; 0: from the rank
     group_warps: int = 4
+    # Forwards with several tokens of one sequence of up to this many tokens fold LoRA token by token instead (the
+    # per-token kernels re-read an adapter's tiles for each of a sequence's tokens, from L2 after the first)
+    token_fold_multi_tokens: int = 0
     # ---- split LoRA shrink / expand (triton_lora.py)
     shrink_warps: int = 2
     expand_warps: int = 4
@@ -92,7 +96,7 @@ class KernelSettings:
         adapter at a time (several tokens of one sequence, as in a verify pass, or more tokens, up to
         `max_group_tokens`: the CUDA graphs' sizes); 0 the split LoRA kernels after each product (longer eager
         forwards: prompts past the graphs, where the grouped kernels' grids would be mostly idle programs)."""
-        if not multi and num_tokens <= FUSED_LORA_TOKENS:
+        if num_tokens <= (self.token_fold_multi_tokens if multi else FUSED_LORA_TOKENS):
             return 1
         return self.group_rows if num_tokens <= max_group_tokens else 0
 

@@ -394,7 +394,7 @@ class TritonOps:
         return self.settings.lora_fold(num_tokens, multi, self.max_group_tokens)
 
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None, group=1):
-        if lora is not None and group > 1:
+        if lora is not None and group > 1 and self.settings.group_norm:
             return triton_grouped.add_rms_norm(x, delta, weight, eps, lora, extra, settings=self.settings)
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)
 
