@@ -56,5 +56,5 @@ class Backend:
         if config.layer_ops == "triton":
             from .kernels.triton_fused import TritonOps
 
-            layer_ops = TritonOps(settings, device, max_group_tokens=config.max_graph_tokens)
+            layer_ops = TritonOps(settings, device)
         return cls(layer_ops, lora_op, group_lora_op, attention)

@@ -102,23 +102,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LayerOps(Protocol):
     """The decoder layer's element-wise work between its matrix products (TorchOps is the reference).
 
-    add_rms_norm(x, delta, weight, eps, lora, extra, rows, group) -> (x + delta, rms_norm(x + delta) * weight, part)
-    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions, group) -> q
-    silu_mul(gate_up, lora, group) -> (silu(gate) * up, part)
+    add_rms_norm(x, delta, weight, eps, lora, extra, rows) -> (x + delta, rms_norm(x + delta) * weight, part)
+    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions) -> q
+    silu_mul(gate_up, lora) -> (silu(gate) * up, part)
 
-    Ops that fold LoRA (`fuses_lora`) say for which forwards (`lora_fold`: 0 none, 1 token by token, g > 1 a group of
-    up to g tokens on one adapter at a time, the `group` the kernels are then passed), take the `lora` arguments and
-    `extra` there, and also provide lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the
-    others are only ever passed None there."""
+    Ops that fold LoRA (`fuses_lora`) say in which forwards (`folds_lora(num_tokens, multi)`; `multi`: some sequence
+    has several tokens in it, as in a verify pass), take the `lora` arguments and `extra` there, and also provide
+    lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the others are only ever passed None
+    there."""
 
     fuses_lora: bool
 
-    def lora_fold(self, num_tokens: int, multi: bool) -> int: ...
+    def folds_lora(self, num_tokens: int, multi: bool) -> bool: ...
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
-    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None, group=1) -> tuple: ...
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None) -> tuple: ...
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, group=1) -> torch.Tensor: ...
-    def silu_mul(self, gate_up, lora=None, group=1) -> tuple: ...
+                      positions=None) -> torch.Tensor: ...
+    def silu_mul(self, gate_up, lora=None) -> tuple: ...
 
 
 @dataclass
@@ -130,7 +130,6 @@ class LayerInputs:
     sin: torch.Tensor
     positions: torch.Tensor | None  # [T]: rows of the cos/sin tables (CausalLM.build_rope_table)
     lora: LoRABatch | None
-    fold: int = 0  # how the layer ops fold the LoRA math (CausalLM.lora_fold; 0: the LoRA op after each product)
 
 
 class DecoderLayer(nn.Module):
@@ -154,7 +153,7 @@ class DecoderLayer(nn.Module):
         """Rotary + KV write, then paged attention -> [T, q_size]."""
         spec, (k_cache, v_cache) = self.spec, kv_cache
         q = ops.rope_write_kv(qkv, inp.cos, inp.sin, k_cache, v_cache, inp.meta.slot_mapping, spec.num_heads,
-                              spec.num_kv_heads, lora_args, inp.positions, max(inp.fold, 1))
+                              spec.num_kv_heads, lora_args, inp.positions)
         out = paged_attention(q, k_cache, v_cache, inp.meta, spec.head_dim**-0.5, spec.sliding_windows[self.index])
         return out.reshape(-1, spec.q_size)
 
@@ -185,14 +184,12 @@ class DecoderLayer(nn.Module):
     def fused_lora(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, extra: torch.Tensor | None,
                    kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer with the LoRA math in ops that fold it (TritonOps), token by token or a group of tokens on one
-        adapter at a time (inp.fold): the q/k/v and gate/up shrinks ride in the norm kernels, their expands in
-        the rotary and SiLU kernels, the down shrink in the SiLU kernel. The o delta and the down expand run on
-        the side stream beside the o and down products (run-tiled split kernels), into float32 buffers (`extra`)
-        that the next norm kernel adds with the product. Returns (x, output, its extra)."""
-        i, lora, eps, branch, group = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, inp.fold
-        x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra, None,
-                                      group)
+        """One layer with the LoRA math in ops that fold it (TritonOps): the q/k/v and gate/up shrinks ride in
+        the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel.
+        The o delta and the down expand run on the side stream beside the o and down products, into float32
+        buffers (`extra`) that the next norm kernel adds with the product. Returns (x, output, its extra)."""
+        i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
+        x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra)
         qkv = ops.linear(h, self.qkv, self.qkv_bias)
         attn = self._attention(ops, qkv, kv_cache, inp, lora.expand_args(i, "qkv", part))
         with branch:
@@ -200,9 +197,9 @@ class DecoderLayer(nn.Module):
         o = ops.linear(attn, self.o)
         branch.join()
         o, extra = self._reduce(o, extra)
-        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra, None, group)
+        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
         gate_up = ops.linear(h, self.gate_up)
-        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part), group)
+        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
         with branch:
             extra = ops.expand_delta(*lora.expand_args(i, "down", part))
         down = ops.linear(act, self.down)
@@ -295,10 +292,9 @@ class CausalLM(nn.Module):
             (cos, sin), positions = self.rope_table, meta.positions
         else:
             (cos, sin), positions = cos_sin(self.inv_freq, meta.positions, x.dtype), None
-        fold = self.lora_fold(lora, input_ids.shape[0], meta.multi)
-        inp = LayerInputs(meta, cos, sin, positions, lora, fold)
+        inp = LayerInputs(meta, cos, sin, positions, lora)
         delta = extra = None  # the last layer's output, not yet added to the residual stream x, and its LoRA delta
-        if fold:
+        if self.folds_lora(lora, input_ids.shape[0], meta.multi):
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, delta, extra = layer.fused_lora(ops, x, delta, extra, kv_cache, inp)
         else:
@@ -321,14 +317,12 @@ class CausalLM(nn.Module):
         x = F.embedding(local.clamp(0, self.layout.vocab_rows - 1), self.embed) * mine[:, None].to(self.embed.dtype)
         return self.comm.all_reduce(x)
 
-    def lora_fold(self, lora: LoRABatch | None, num_tokens: int, multi: bool) -> int:
-        """How a forward's LoRA math is applied: 0 by the LoRA op after each product (DecoderLayer.plain), else folded
-        into the element-wise kernels (DecoderLayer.fused_lora) token by token (1) or a group of up to g tokens on
-        one adapter at a time (g): with ops that fold it and the slots' fused group stacks, for the forwards the ops
-        take (`multi`: some sequence has several tokens in it, as in a verify pass; LayerOps.lora_fold)."""
-        if not self.ops.fuses_lora or lora is None or lora.groups is None:
-            return 0
-        return self.ops.lora_fold(num_tokens, multi)
+    def folds_lora(self, lora: LoRABatch | None, num_tokens: int, multi: bool) -> bool:
+        """Whether a forward's LoRA math goes into the element-wise kernels (DecoderLayer.fused_lora) rather than the
+        LoRA op after each product (DecoderLayer.plain): with ops that fold it, the slots' fused group stacks, and a
+        forward the ops take (LayerOps.folds_lora; `multi`: some sequence has several tokens in it)."""
+        return (self.ops.fuses_lora and lora is not None and lora.groups is not None
+                and self.ops.folds_lora(num_tokens, multi))
 
 
 class TorchOps:
@@ -340,11 +334,11 @@ class TorchOps:
     linear = staticmethod(F.linear)
 
     @staticmethod
-    def lora_fold(num_tokens: int, multi: bool) -> int:
-        return 0
+    def folds_lora(num_tokens: int, multi: bool) -> bool:
+        return False
 
     @staticmethod
-    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None, group=1):
+    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None):
         if rows is not None:
             x, delta = x[rows], None if delta is None else delta[rows]
             extra = None if extra is None else extra[rows]
@@ -356,7 +350,7 @@ class TorchOps:
 
     @staticmethod
     def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, group=1):
+                      positions=None):
         if positions is not None:  # cos/sin are tables over positions
             cos, sin = cos[positions], sin[positions]
         d = k_cache.shape[-1]
@@ -368,6 +362,6 @@ class TorchOps:
         return q
 
     @staticmethod
-    def silu_mul(gate_up, lora=None, group=1):
+    def silu_mul(gate_up, lora=None):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up, None

@@ -14,8 +14,8 @@ from typing import Any
 
 __all__ = ["KernelSettings"]
 
-# The per-token LoRA-folding kernels (triton_fused.py) re-read an adapter's tiles for every token: that pays for
-# forwards of one token per sequence up to one wave of programs (decode at batch <= 32).
+# Forwards of one token per sequence fold LoRA into the element-wise kernels up to one wave of programs (decode at
+# batch <= 32); past it the split LoRA kernels after each product measured faster.
 FUSED_LORA_TOKENS = 32
 
 
@@ -51,18 +51,12 @@ class KernelSettings:
     silu_lora_block: int = 512
     silu_lora_sb: int = 0  # columns per inner step of silu_mul with LoRA; 0: from the rank
     silu_lora_warps: int = 2
-    # ---- the LoRA-folding kernels over row groups (triton_grouped.py): forwards with a sequence of several tokens
-    # (verify passes, prompts in graph-sized passes) or more tokens than the per-token folding takes fold their LoRA
-    # math a group of up to group_rows tokens on one adapter at a time (each adapter tile read once per group).
-    # 0: such forwards apply LoRA with the split kernels after each product instead.
-    group_rows: int = 16
-    group_norm: int = 1  # 0: grouped forwards' norms (and their shrinks) take the per-token kernel, rope/SiLU grouped
-    group_norm_chunk: int = 256  # columns of one grouped add_rms_norm program (its share of the shrink)
-    group_sb: int = 0  # columns per inner step of the grouped silu_mul; 0: from the rank
-    group_warps: int = 4
-    # Forwards with several tokens of one sequence of up to this many tokens fold LoRA token by token instead (the
-    # per-token kernels re-read an adapter's tiles for each of a sequence's tokens, from L2 after the first)
-    token_fold_multi_tokens: int = 0
+    # ---- LoRA folded into the element-wise kernels (triton_fused.py): forwards with several tokens of one sequence
+    # (verify passes, prompts in graph-sized passes) of up to this many tokens fold their LoRA math as decode steps do:
+    # each of a sequence's tokens re-reads its adapter's tiles, from L2 after the first. Measured faster than the split
+    # LoRA kernels after each product up to batch 32 at k = 4 (bench/RESULTS.md section 1); longer ones take the split
+    # kernels (their re-reads grow with the tokens). 0: every such forward takes the split kernels.
+    fold_multi_tokens: int = 160
     # ---- split LoRA shrink / expand (triton_lora.py)
     shrink_warps: int = 2
     expand_warps: int = 4
@@ -74,31 +68,28 @@ class KernelSettings:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"KernelSettings.{f.name} must be an int, got {value!r}")
         for name in ("attn_warps", "norm_lora_warps", "rope_lora_warps", "silu_lora_warps", "shrink_warps",
-                     "expand_warps", "group_warps"):
+                     "expand_warps"):
             _check_pow2(name, getattr(self, name), 1, 32)
         # Tile sides of tl.arange / tl.dot: powers of two, at least 16
-        for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "group_norm_chunk"):
+        for name in ("attn_block_n", "norm_chunk", "silu_lora_block"):
             _check_pow2(name, getattr(self, name), 16, 1 << 16)
-        if self.group_rows:  # a tensor-core tile of rows
-            _check_pow2("group_rows", self.group_rows, 16, 64, zero=True)
-        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi", "group_sb"):
+        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi"):
             if getattr(self, name):
                 _check_pow2(name, getattr(self, name), 16, 1 << 16, zero=True)
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
+        if self.fold_multi_tokens < 0:
+            raise ValueError(f"KernelSettings.fold_multi_tokens must be >= 0, got {self.fold_multi_tokens}")
         if self.attn_split_budget < 1:
             raise ValueError(f"KernelSettings.attn_split_budget must be >= 1, got {self.attn_split_budget}")
 
-    def lora_fold(self, num_tokens: int, multi: bool, max_group_tokens: int) -> int:
-        """How the Triton layer ops apply a forward's LoRA math (model.LayerOps.lora_fold): 1 folded token by token
-        (decode sizes: one token per sequence, up to FUSED_LORA_TOKENS); group_rows folded a group of tokens on one
-        adapter at a time (several tokens of one sequence, as in a verify pass, or more tokens, up to
-        `max_group_tokens`: the CUDA graphs' sizes); 0 the split LoRA kernels after each product (longer eager
-        forwards: prompts past the graphs, where the grouped kernels' grids would be mostly idle programs)."""
-        if num_tokens <= (self.token_fold_multi_tokens if multi else FUSED_LORA_TOKENS):
-            return 1
-        return self.group_rows if num_tokens <= max_group_tokens else 0
+    def folds_lora(self, num_tokens: int, multi: bool) -> bool:
+        """Whether the Triton layer ops fold a forward's LoRA math into their element-wise kernels
+        (model.LayerOps.folds_lora): forwards of one token per sequence up to FUSED_LORA_TOKENS (decode, one wave of
+        programs), forwards with several tokens of one sequence (`multi`) up to fold_multi_tokens; the others apply
+        it with the split LoRA kernels after each product."""
+        return num_tokens <= (self.fold_multi_tokens if multi else FUSED_LORA_TOKENS)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KernelSettings:

@@ -194,9 +194,7 @@ def paged_attention_triton(
     narrow = block_q(group_pad, settings.attn_rows)
     multi = settings.attn_rows_multi and meta.multi
     wide = max(narrow, block_q(group_pad, settings.attn_rows_multi)) if multi else narrow
-    # Split-KV from the runs the programs take: a forward with sequences of several query tokens has about one per
-    # wide tile (a verify pass of B sequences has B, not its B (k + 1) tokens)
-    splits = kv_splits(num_tokens if wide == narrow else -(-num_tokens // wide), kv_heads, settings)
+    splits = kv_splits(num_tokens, kv_heads, settings)
     if splits == 1:
         part, ml, strides = out, out, (out.stride(0), out.stride(1))
     else:

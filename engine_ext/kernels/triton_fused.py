@@ -34,7 +34,6 @@ import triton.language as tl
 from .pdl import launch as _launch
 from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
-from . import triton_grouped
 from .settings import KernelSettings
 from .triton_lora import expand_delta, lora_delta
 
@@ -373,11 +372,10 @@ class SideBranch:
 
 class TritonOps:
     """model.TorchOps' contract in the fused kernels above, launched with `settings`. It folds LoRA
-    (`fuses_lora`): the model passes the LoRA arguments to the element-wise kernels, and computes the o and down
-    LoRA deltas (`lora_delta`, `expand_delta`: float32 buffers) on `side_branch` beside their products, for the
-    next add_rms_norm's `extra`. Token by token (`group` 1, the kernels above) for decode-sized forwards of one
-    token per sequence, a group of tokens on one adapter at a time (triton_grouped.py) for the other forwards of
-    up to `max_group_tokens` tokens (the CUDA graphs' sizes: verify passes, prompts in graph-sized passes).
+    (`fuses_lora`) in the forwards `settings.folds_lora` names (decode steps, verify passes, prompts in graph-sized
+    passes): the model passes the LoRA arguments to the element-wise kernels, and computes the o and down LoRA
+    deltas (`lora_delta`, `expand_delta`: float32 buffers) on `side_branch` beside their products, for the next
+    add_rms_norm's `extra`.
 
     The products stay cuBLAS's (F.linear): at decode sizes it is faster than a split-K Triton GEMM with the
     LoRA expands in its epilogue for every product but the LM head (`git show 211e305:bench/RESULTS.md`)."""
@@ -385,28 +383,22 @@ class TritonOps:
     fuses_lora = True
     linear = staticmethod(F.linear)
 
-    def __init__(self, settings: KernelSettings, device: torch.device, max_group_tokens: int = 512):
+    def __init__(self, settings: KernelSettings, device: torch.device):
         self.settings = settings
-        self.max_group_tokens = max_group_tokens
         self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
 
-    def lora_fold(self, num_tokens: int, multi: bool) -> int:
-        return self.settings.lora_fold(num_tokens, multi, self.max_group_tokens)
+    def folds_lora(self, num_tokens: int, multi: bool) -> bool:
+        return self.settings.folds_lora(num_tokens, multi)
 
-    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None, group=1):
-        if lora is not None and group > 1 and self.settings.group_norm:
-            return triton_grouped.add_rms_norm(x, delta, weight, eps, lora, extra, settings=self.settings)
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)
 
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, group=1):
-        kernel = triton_grouped.rope_write_kv if lora is not None and group > 1 else rope_write_kv
-        return kernel(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions,
-                      settings=self.settings)
+                      positions=None):
+        return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions,
+                             settings=self.settings)
 
-    def silu_mul(self, gate_up, lora=None, group=1):
-        if lora is not None and group > 1:
-            return triton_grouped.silu_mul(gate_up, lora, settings=self.settings)
+    def silu_mul(self, gate_up, lora=None):
         return silu_mul(gate_up, lora, settings=self.settings)
 
     def lora_delta(self, x, a, b, scale, slots):

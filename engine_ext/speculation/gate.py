@@ -70,10 +70,17 @@ class Plan:
 
 @dataclass
 class StepResult:
-    """What a step measured and verified, for the gate (`Gate.observe`)."""
+    """What a step measured and verified, for the gate (`Gate.observe`).
+
+    `passes`: every forward the step ran, in order, as (kind, tokens, adapters, device seconds): "plain" for a
+    plain step's one forward, "base" / "lora" / "prompted" for a cycle's. Device seconds are the forward's own span
+    on the device timeline (CUDA events around it; on a CPU, where forwards are synchronous, its wall time).
+    `host_s`: the host's own work for the step (scheduling, packing, launching, reading), device waits excluded;
+    in the overlapped loop a step costs about max(device, host)."""
 
     passes: list[tuple[str, int, int, float]] = field(default_factory=list)  # (kind, tokens, adapters, seconds)
     verifies: list[tuple[str, int, int]] = field(default_factory=list)  # (adapter, drafted, accepted)
+    host_s: float = 0.0
 
 
 class NoSpeculation:

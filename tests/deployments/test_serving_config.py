@@ -150,10 +150,10 @@ def test_profiles_fast_path_on_cuda_and_speculation_everywhere():
         "lora_backend": "triton", "attn_backend": "triton", "layer_ops": "triton", "cuda_graphs": True,
         "dtype": "bfloat16"}
     assert cuda["speculative"] == cpu["speculative"] == {"num_draft_tokens": 4, "gate": True}
-    # prefix caching: on where it is measured (the CPU), off on CUDA until the H200 benchmark has run
-    assert cpu["enable_prefix_caching"] is True and cuda["enable_prefix_caching"] is False
+    # prefix caching: on in both profiles (measured on the CPU and on the H200)
+    assert cpu["enable_prefix_caching"] is True and cuda["enable_prefix_caching"] is True
     assert resolve_engine({"enable_prefix_caching": False})["enable_prefix_caching"] is False
-    assert resolve_engine({"enable_prefix_caching": True}, num_gpus=1)["enable_prefix_caching"] is True
+    assert resolve_engine({"enable_prefix_caching": False}, num_gpus=1)["enable_prefix_caching"] is False
     assert "cuda_graphs" not in cpu and cpu["dtype"] == "float32"
     # A replica with a GPU gets the CUDA profile without naming the device (resolving needs no GPU)
     gpu = resolve_engine({}, num_gpus=1)

@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|grouped|lora|engine
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|lora|engine
 """
 
 from __future__ import annotations
@@ -140,76 +140,6 @@ def fused():
     _close(tf.expand_delta(part_d, bd, sd, slots) + y0, ref)
 
 
-def grouped():
-    """The LoRA-folding kernels over row groups (a verify pass's tokens of one sequence on one adapter slot) against
-    the torch composition, for heads whose halves fit a tensor-core dot (64) and narrower ones (16), under the
-    default and a smaller chunk and group size; their partials feed the split expand like the per-token ones'."""
-    from engine_ext.kernels import KernelSettings
-    from engine_ext.kernels import triton_grouped as tg
-    from engine_ext.kernels.triton_lora import lora_expand
-    from engine_ext.model import TorchOps
-    from engine_ext.rope import cos_sin
-
-    g = torch.Generator().manual_seed(5)
-    # runs of 5 (a k = 4 verify pass), a base-only run (slot 3) and runs that straddle a block of 16 tokens
-    slots = torch.tensor([0] * 5 + [1] * 5 + [3] * 5 + [2] * 5 + [1] * 2 + [0] * 3)
-    T, S, R = len(slots), 4, 8
-    for D, hid, inter, settings in ((64, 600, 2100, KernelSettings()),
-                                    (16, 300, 700, KernelSettings(group_norm_chunk=64, group_sb=32))):
-        H, KVH = 4, 2
-        qs, kvs = H * D, KVH * D
-
-        def stack(*shape):
-            t = torch.randn(*shape, generator=g)
-            t[-1] = 0
-            return t
-
-        def ref_group(y, x, a, b, sc, segs):
-            y = y.clone()
-            ends = list(segs[1:]) + [y.shape[1]]
-            for s, (lo, hi) in enumerate(zip(segs, ends)):
-                add_lora_reference(y[:, lo:hi], x, a[:, :, s * R : (s + 1) * R], b[:, :, lo:hi],
-                                   sc[:, s].contiguous(), slots)
-            return y
-
-        x, d, w = (torch.randn(T, hid, generator=g), torch.randn(T, hid, generator=g),
-                   torch.randn(hid, generator=g))
-        e = torch.randn(T, hid, generator=g)
-        aq, bq, sq = stack(S, hid, 3 * R), stack(S, R, qs + 2 * kvs), stack(S, 3).abs()
-        ag, bg, sg = stack(S, hid, 2 * R), stack(S, R, 2 * inter), stack(S, 2).abs()
-        ad, bd, sd = stack(S, inter, R), stack(S, R, hid), stack(S, 1).abs()
-        x_ref, h, _ = TorchOps.add_rms_norm(x.clone(), d + e, w, 1e-5)
-        x2, h2, part = tg.add_rms_norm(x.clone(), d, w, 1e-5, (aq, slots), extra=e, settings=settings)
-        _close(x2, x_ref)
-        _close(h2, h)
-        _, h0, _ = TorchOps.add_rms_norm(x.clone(), None, w, 1e-5)  # the first layer: no delta
-        x0, h3, _ = tg.add_rms_norm(x.clone(), None, w, 1e-5, (aq, slots), settings=settings)
-        _close(x0, x)
-        _close(h3, h0)
-        qkv = torch.randn(T, qs + 2 * kvs, generator=g)
-        inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-        positions = torch.randint(0, 40, (T,), generator=g)
-        table = cos_sin(inv, torch.arange(40), torch.float32)
-        caches = [torch.zeros(16, 4, KVH, D) for _ in range(4)]
-        kv_slots = torch.randperm(64, generator=g)[:T]
-        q1 = TorchOps.rope_write_kv(ref_group(qkv, h, aq, bq, sq, (0, qs, qs + kvs)), *table, caches[0], caches[1],
-                                    kv_slots, H, KVH, positions=positions)
-        q2 = tg.rope_write_kv(qkv.clone(), *table, caches[2], caches[3], kv_slots, H, KVH, (part, bq, sq, slots),
-                              positions, settings=settings)
-        _close(q2, q1)
-        _close(caches[2], caches[0])
-        _close(caches[3], caches[1])
-        _, _, part_g = tg.add_rms_norm(x.clone(), d, w, 1e-5, (ag, slots), extra=e, settings=settings)
-        gu = torch.randn(T, 2 * inter, generator=g)
-        act_ref = TorchOps.silu_mul(ref_group(gu, h, ag, bg, sg, (0, inter)))[0]
-        act, part_d = tg.silu_mul(gu.clone(), (part_g, bg, sg, ad, slots), settings=settings)
-        _close(act, act_ref)
-        y0 = torch.randn(T, hid, generator=g)
-        y = y0.clone()
-        lora_expand(y, part_d, bd, sd, slots, S - 1)
-        _close(y, ref_group(y0, act, ad, bd, sd, (0,)))
-
-
 def lora():
     from engine_ext.kernels import triton_lora as tlr
 
@@ -273,27 +203,17 @@ def engine():
     assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton",
                kernels={"attn_block_n": 16, "attn_rows": 0, "norm_chunk": 64, "silu_lora_block": 128,
                         "expand_block_n": 16, "shrink_warps": 4}) == ref
-    # speculative cycles: their verify passes (several tokens of one sequence) fold LoRA a group at a time, and
-    # with group_rows 0 apply it with the split kernels after each product instead
+    # speculative cycles: their verify passes (several tokens of one sequence) fold LoRA as decode steps do, and with
+    # fold_multi_tokens 0 apply it with the split kernels after each product instead; attention's wide tiles on and off
     from engine_ext import SpecConfig
-    from engine_ext.kernels import triton_grouped
 
-    grouped = []
-    rope = triton_grouped.rope_write_kv
-
-    def counted_rope(*args, **kw):
-        grouped.append(1)
-        return rope(*args, **kw)
-
-    triton_grouped.rope_write_kv = counted_rope
     spec = SpecConfig(num_draft_tokens=3, gate=False)
     kernels = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton")
     assert run(speculative=spec, **kernels) == ref
-    assert grouped
-    grouped.clear()
-    assert run(speculative=spec, kernels={"group_rows": 0, "attn_rows_multi": 0}, **kernels) == ref
-    assert not grouped
-
+    assert used
+    used.clear()
+    assert run(speculative=spec, kernels={"fold_multi_tokens": 0, "attn_rows_multi": 0}, **kernels) == ref
+    assert not used  # every adapter-on forward of a forced cycle has several tokens of a sequence: none folded
 
 if __name__ == "__main__":
     globals()[sys.argv[1]]()

@@ -1,5 +1,5 @@
 """The kernels an engine runs are chosen once from its EngineConfig (backend.Backend) and the model is built
-with its element-wise ops; only ops that fold LoRA take the LoRA math, and only for graph-sized forwards."""
+with its element-wise ops; only ops that fold LoRA take the LoRA math, and only for decode and verify-sized forwards."""
 
 from types import SimpleNamespace
 
@@ -28,29 +28,30 @@ def test_the_plain_torch_backend(tmp_path, lora_backend, op):
 
 def test_torch_ops_never_fold_lora():
     model = CausalLM(SPEC, torch.float32, TorchOps())
-    assert model.lora_fold(GROUPED, 1, False) == 0
-    assert model.lora_fold(GROUPED, 8, True) == 0
+    assert not model.folds_lora(GROUPED, 1, False)
+    assert not model.folds_lora(GROUPED, 8, True)
 
 
 class _FoldingOps(TorchOps):
-    """Ops that fold LoRA by the Triton ops' rule (KernelSettings.lora_fold), graphs of up to 64 tokens."""
+    """Ops that fold LoRA by the Triton ops' rule (KernelSettings.folds_lora), verify forwards up to 64 tokens."""
 
     fuses_lora = True
 
     @staticmethod
-    def lora_fold(num_tokens, multi):
-        return KernelSettings().lora_fold(num_tokens, multi, 64)
+    def folds_lora(num_tokens, multi):
+        return KernelSettings(fold_multi_tokens=64).folds_lora(num_tokens, multi)
 
 
-@pytest.mark.parametrize("lora,tokens,multi,fold", [
-    (GROUPED, 4, False, 1),  # decode: token by token
-    (GROUPED, 32, False, 1),
-    (GROUPED, 33, False, 16),  # past one wave: a group of tokens on one adapter at a time
-    (GROUPED, 10, True, 16),  # a verify pass (several tokens of a sequence)
-    (GROUPED, 65, True, 0),  # past the graphs (a long eager prefill): the group op after each product
-    (SimpleNamespace(groups=None), 1, False, 0),  # no fused group stacks to pass
-    (None, 1, False, 0),  # no adapters in the batch
+@pytest.mark.parametrize("lora,tokens,multi,folds", [
+    (GROUPED, 4, False, True),  # decode
+    (GROUPED, 32, False, True),
+    (GROUPED, 33, False, False),  # decode past one wave of programs: the group op after each product
+    (GROUPED, 10, True, True),  # a verify pass (several tokens of a sequence)
+    (GROUPED, 64, True, True),
+    (GROUPED, 65, True, False),  # past fold_multi_tokens (a long prefill): the group op after each product
+    (SimpleNamespace(groups=None), 1, False, False),  # no fused group stacks to pass
+    (None, 1, False, False),  # no adapters in the batch
 ])
-def test_folding_ops_take_the_lora_math_of_graph_sized_forwards(lora, tokens, multi, fold):
+def test_folding_ops_take_the_lora_math_of_decode_and_verify_sized_forwards(lora, tokens, multi, folds):
     model = CausalLM(SPEC, torch.float32, _FoldingOps())
-    assert model.lora_fold(lora, tokens, multi) == fold
+    assert model.folds_lora(lora, tokens, multi) is folds

@@ -35,11 +35,8 @@ def test_from_dict_sets_the_named_fields_and_keeps_the_rest():
     ({"attn_warps": 4.0}, "attn_warps must be an int"),
     ({"attn_warps": "4"}, "attn_warps must be an int"),
     ({"attn_warps": True}, "attn_warps must be an int"),
-    ({"group_rows": 8}, "group_rows must be 0 or a power of two in 16..64"),
-    ({"group_rows": 24}, "group_rows must be 0 or a power of two"),
     ({"attn_rows_multi": 12}, "attn_rows_multi must be 0 or a power of two"),
-    ({"group_norm_chunk": 100}, "group_norm_chunk must be a power of two"),
-    ({"group_warps": 3}, "group_warps must be a power of two"),
+    ({"fold_multi_tokens": -1}, "fold_multi_tokens must be >= 0"),
 ])
 def test_invalid_settings_are_refused(values, match):
     with pytest.raises(ValueError, match=match):

@@ -228,7 +228,8 @@ def _slot_stack(num_slots, rows, cols, g, dtype, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,rank,runs", [(1, 16, False), (32, 16, False), (32, 64, False), (160, 64, True)])
+@pytest.mark.parametrize("tokens,rank,runs", [(1, 16, False), (32, 16, False), (32, 64, False), (160, 64, True),
+                                              (40, 16, True)])
 def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     """One layer's q/k/v and gate/up/down LoRA through the fused kernels against the reference composition:
     norm, base output + per-module LoRA (lora_ops reference), then rotary/KV write and SiLU (TorchOps)."""
@@ -237,36 +238,14 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     _check_lora_folding(dtype, tokens, rank, runs, KernelSettings())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,rank,runs,head_dim", [(160, 16, True, 64), (40, 64, True, 64), (64, 16, False, 64),
-                                                       (160, 16, True, 128), (45, 8, True, 16)])
-def test_lora_folded_a_group_of_tokens_at_a_time(dtype, tokens, rank, runs, head_dim):
-    """The grouped kernels (triton_grouped.py: a verify pass's k+1 tokens of one sequence in one program, adapter
-    tiles read once for them) against the same reference composition, for 1B- and 8B-wide heads and a narrow one."""
-    from engine_ext.kernels import KernelSettings
-
-    _check_lora_folding(dtype, tokens, rank, runs, KernelSettings(), group=16, head_dim=head_dim)
-
-
-@pytest.mark.parametrize("setting", [{"group_norm_chunk": 128, "group_warps": 2, "group_sb": 64},
-                                     {"group_rows": 32, "group_norm_chunk": 512, "silu_lora_block": 1024}])
-def test_grouped_folding_under_other_launch_settings(setting):
-    from engine_ext.kernels import KernelSettings
-
-    settings = KernelSettings(**setting)
-    _check_lora_folding(torch.bfloat16, 160, 16, True, settings, group=settings.group_rows)
-
-
-def _check_lora_folding(dtype, tokens, rank, runs, settings, group=1, head_dim=64):
+def _check_lora_folding(dtype, tokens, rank, runs, settings, head_dim=64):
     from functools import partial
 
     from engine_ext.kernels import triton_lora
     from engine_ext.kernels.triton_fused import TritonOps
 
     ops = TritonOps(settings, torch.device(DEV))
-    add_rms_norm = partial(ops.add_rms_norm, group=group)
-    rope_write_kv = partial(ops.rope_write_kv, group=group)
-    silu_mul = partial(ops.silu_mul, group=group)
+    add_rms_norm, rope_write_kv, silu_mul = ops.add_rms_norm, ops.rope_write_kv, ops.silu_mul
     expand_delta = ops.expand_delta
     lora_expand = partial(triton_lora.lora_expand, settings=settings)
 
