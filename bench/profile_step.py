@@ -1,7 +1,8 @@
-"""Where one decode forward's GPU time goes: torch.profiler over eager forwards of the engine's model
-(Triton kernels on, no graph), kernels summed by name, beside the same forward's graph replay time.
+"""Where one decode or verify forward's GPU time goes: torch.profiler over eager forwards of the engine's model
+(Triton kernels on, no graph), kernels summed by name, beside the same forward's graph replay time. `--tokens`:
+query tokens a sequence (1: a decode step; k + 1: a verify pass over k drafts).
 
-    python bench/profile_step.py --batch 32 --adapters 0 32 --rank 16
+    python bench/profile_step.py --batch 32 --adapters 0 32 --rank 16 --tokens 1 5
 """
 
 from __future__ import annotations
@@ -27,22 +28,23 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--adapters", nargs="+", type=int, default=[0, 32])
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1], help="query tokens a sequence, each profiled")
     ap.add_argument("--workdir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
     args = ap.parse_args()
     model_dir = build_model_on_gpu(os.path.join(args.workdir, args.shape), args.shape)
     path = build_random_adapter(os.path.join(args.workdir, f"{args.shape}-r{args.rank}"), args.shape, args.rank, 1)
     n = max(args.adapters)
     engine = build_engine(model_dir, {f"a{i}": path for i in range(n)}, max_loras=max(n, 1), max_rank=args.rank,
-                          max_graph_tokens=args.batch)
+                          max_graph_tokens=args.batch * max(args.tokens))
     runner, slots, bs = engine.runner, engine.adapters.slots, engine.config.block_size
     out = []
-    for distinct in args.adapters:
+    for distinct, tokens in [(d, t) for d in args.adapters for t in args.tokens]:
         names = [f"a{i % distinct}" for i in range(args.batch)] if distinct else [None] * args.batch
         activate(engine, sorted({x for x in names if x}))
-        point = forward_point(engine, names, 1, True, 30)
-        nblocks = -(-(CONTEXT + 1) // bs)
-        work = [SeqWork([7], CONTEXT, list(range(i * nblocks, (i + 1) * nblocks)), engine.adapters.slot_of(x))
-                for i, x in enumerate(names)]
+        point = forward_point(engine, names, tokens, True, 30)
+        nblocks = -(-(CONTEXT + tokens) // bs)
+        work = [SeqWork([7] * tokens, CONTEXT, list(range(i * nblocks, (i + 1) * nblocks)), engine.adapters.slot_of(x),
+                        num_logits=tokens) for i, x in enumerate(names)]
         batch = build_forward_batch(work, bs, slots.zero_slot, runner.device)
         batch.attn.kernel = runner.attn_kernel
         lora = (LoRABatch.from_slots(runner.lora_op, batch.lora_slots, slots, runner.group_lora_op)
@@ -66,12 +68,12 @@ def main():
                 rows.append((t / 5 / 1e3, ev.count // 5, ev.key[:90]))
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        rec = {"distinct": distinct, "graph_gpu_ms": point["gpu_ms"], "kernel_sum_ms": total,
+        rec = {"distinct": distinct, "tokens": tokens, "graph_gpu_ms": point["gpu_ms"], "kernel_sum_ms": total,
                "kernels_per_forward": sum(r[1] for r in rows),
                "top": [{"ms": round(r[0], 4), "count": r[1], "name": r[2]} for r in rows[:14]]}
         out.append(rec)
         print(json.dumps(rec, indent=1), flush=True)
-    print(json.dumps([{k: r[k] for k in ("distinct", "graph_gpu_ms", "kernel_sum_ms", "kernels_per_forward")}
+    print(json.dumps([{k: r[k] for k in ("distinct", "tokens", "graph_gpu_ms", "kernel_sum_ms", "kernels_per_forward")}
                       for r in out]))
 
 

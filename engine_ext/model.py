@@ -59,6 +59,11 @@ class LoRABatch:
                       for g in LORA_GROUPS}
         return cls(op, token_slots, slots.a, slots.b, slots.scale, group_op if groups else None, groups)
 
+    @property
+    def rank(self) -> int:
+        """The slots' rank (every adapter's is padded to it)."""
+        return next(iter(self.a.values())).shape[-1]
+
     def add(self, layer: int, module: str, y: torch.Tensor, x: torch.Tensor) -> None:
         self.op(y, x, self.a[module][layer], self.b[module][layer], self.scale[module][layer], self.slots)
 
@@ -106,14 +111,14 @@ class LayerOps(Protocol):
     rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions) -> q
     silu_mul(gate_up, lora) -> (silu(gate) * up, part)
 
-    Ops that fold LoRA (`fuses_lora`) say in which forwards (`folds_lora(num_tokens, multi)`; `multi`: some sequence
-    has several tokens in it, as in a verify pass), take the `lora` arguments and `extra` there, and also provide
+    Ops that fold LoRA (`fuses_lora`) say in which forwards (`folds_lora(num_tokens, multi, rank)`; `multi`: some
+    sequence has several tokens in it, as in a verify pass; `rank`: the slots'), take the `lora` arguments and `extra` there, and also provide
     lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the others are only ever passed None
     there."""
 
     fuses_lora: bool
 
-    def folds_lora(self, num_tokens: int, multi: bool) -> bool: ...
+    def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool: ...
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None) -> tuple: ...
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
@@ -322,7 +327,7 @@ class CausalLM(nn.Module):
         LoRA op after each product (DecoderLayer.plain): with ops that fold it, the slots' fused group stacks, and a
         forward the ops take (LayerOps.folds_lora; `multi`: some sequence has several tokens in it)."""
         return (self.ops.fuses_lora and lora is not None and lora.groups is not None
-                and self.ops.folds_lora(num_tokens, multi))
+                and self.ops.folds_lora(num_tokens, multi, lora.rank))
 
 
 class TorchOps:
@@ -334,7 +339,7 @@ class TorchOps:
     linear = staticmethod(F.linear)
 
     @staticmethod
-    def folds_lora(num_tokens: int, multi: bool) -> bool:
+    def folds_lora(num_tokens: int, multi: bool, rank: int) -> bool:
         return False
 
     @staticmethod

@@ -52,11 +52,13 @@ class KernelSettings:
     silu_lora_sb: int = 0  # columns per inner step of silu_mul with LoRA; 0: from the rank
     silu_lora_warps: int = 2
     # ---- LoRA folded into the element-wise kernels (triton_fused.py): forwards with several tokens of one sequence
-    # (verify passes, prompts in graph-sized passes) of up to this many tokens fold their LoRA math as decode steps do:
-    # each of a sequence's tokens re-reads its adapter's tiles, from L2 after the first. Measured faster than the split
-    # LoRA kernels after each product up to batch 32 at k = 4 (bench/RESULTS.md section 1); longer ones take the split
-    # kernels (their re-reads grow with the tokens). 0: every such forward takes the split kernels.
-    fold_multi_tokens: int = 160
+    # (verify passes, prompts in graph-sized passes) fold their LoRA math as decode steps do while tokens x slot rank
+    # is at most this: each of a sequence's tokens re-reads its adapter's tiles (rank columns), from L2 after the
+    # first, so the re-reads grow with both. Measured on the H200 at 1B (bench/RESULTS.md section 1): rank 16 folds
+    # faster than the split LoRA kernels after each product up to 160 tokens (batch 32, k = 4: 2.43 against 2.71 ms);
+    # rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90 against 3.61). 0: every such forward takes the
+    # split kernels.
+    fold_multi_token_ranks: int = 4096
     # ---- split LoRA shrink / expand (triton_lora.py)
     shrink_warps: int = 2
     expand_warps: int = 4
@@ -79,17 +81,20 @@ class KernelSettings:
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
-        if self.fold_multi_tokens < 0:
-            raise ValueError(f"KernelSettings.fold_multi_tokens must be >= 0, got {self.fold_multi_tokens}")
+        if self.fold_multi_token_ranks < 0:
+            raise ValueError(f"KernelSettings.fold_multi_token_ranks must be >= 0, got {self.fold_multi_token_ranks}")
         if self.attn_split_budget < 1:
             raise ValueError(f"KernelSettings.attn_split_budget must be >= 1, got {self.attn_split_budget}")
 
-    def folds_lora(self, num_tokens: int, multi: bool) -> bool:
+    def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool:
         """Whether the Triton layer ops fold a forward's LoRA math into their element-wise kernels
         (model.LayerOps.folds_lora): forwards of one token per sequence up to FUSED_LORA_TOKENS (decode, one wave of
-        programs), forwards with several tokens of one sequence (`multi`) up to fold_multi_tokens; the others apply
-        it with the split LoRA kernels after each product."""
-        return num_tokens <= (self.fold_multi_tokens if multi else FUSED_LORA_TOKENS)
+        programs), forwards with several tokens of one sequence (`multi`) while num_tokens x `rank` (the slots'
+        rank) is at most fold_multi_token_ranks; the others apply it with the split LoRA kernels after each
+        product."""
+        if multi:
+            return num_tokens * rank <= self.fold_multi_token_ranks
+        return num_tokens <= FUSED_LORA_TOKENS
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KernelSettings:

@@ -387,8 +387,8 @@ class TritonOps:
         self.settings = settings
         self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
 
-    def folds_lora(self, num_tokens: int, multi: bool) -> bool:
-        return self.settings.folds_lora(num_tokens, multi)
+    def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool:
+        return self.settings.folds_lora(num_tokens, multi, rank)
 
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)

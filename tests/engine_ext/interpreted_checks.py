@@ -204,7 +204,7 @@ def engine():
                kernels={"attn_block_n": 16, "attn_rows": 0, "norm_chunk": 64, "silu_lora_block": 128,
                         "expand_block_n": 16, "shrink_warps": 4}) == ref
     # speculative cycles: their verify passes (several tokens of one sequence) fold LoRA as decode steps do, and with
-    # fold_multi_tokens 0 apply it with the split kernels after each product instead; attention's wide tiles on and off
+    # fold_multi_token_ranks 0 apply it with the split kernels after each product instead; attention's wide tiles on and off
     from engine_ext import SpecConfig
 
     spec = SpecConfig(num_draft_tokens=3, gate=False)
@@ -212,7 +212,7 @@ def engine():
     assert run(speculative=spec, **kernels) == ref
     assert used
     used.clear()
-    assert run(speculative=spec, kernels={"fold_multi_tokens": 0, "attn_rows_multi": 0}, **kernels) == ref
+    assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "attn_rows_multi": 0}, **kernels) == ref
     assert not used  # every adapter-on forward of a forced cycle has several tokens of a sequence: none folded
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ SPEC = ModelSpec(architecture="LlamaForCausalLM", vocab_size=31, hidden_size=32,
                  num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope=RopeSpec(theta=1e4),
                  tie_word_embeddings=True, max_position_embeddings=64, sliding_windows=(None,) * 2,
                  eos_token_ids=(0,))
-GROUPED = SimpleNamespace(groups={})  # a LoRABatch with the slots' fused group stacks
+GROUPED = SimpleNamespace(groups={}, rank=16)  # a rank-16 LoRABatch with the slots' fused group stacks
+GROUPED64 = SimpleNamespace(groups={}, rank=64)
 
 
 @pytest.mark.parametrize("lora_backend,op", [("torch", add_lora_dense), ("gather", add_lora_reference)])
@@ -33,13 +34,14 @@ def test_torch_ops_never_fold_lora():
 
 
 class _FoldingOps(TorchOps):
-    """Ops that fold LoRA by the Triton ops' rule (KernelSettings.folds_lora), verify forwards up to 64 tokens."""
+    """Ops that fold LoRA by the Triton ops' rule (KernelSettings.folds_lora), verify forwards of up to 1,024 tokens x
+    rank (64 tokens at rank 16, 16 at rank 64)."""
 
     fuses_lora = True
 
     @staticmethod
-    def folds_lora(num_tokens, multi):
-        return KernelSettings(fold_multi_tokens=64).folds_lora(num_tokens, multi)
+    def folds_lora(num_tokens, multi, rank):
+        return KernelSettings(fold_multi_token_ranks=1024).folds_lora(num_tokens, multi, rank)
 
 
 @pytest.mark.parametrize("lora,tokens,multi,folds", [
@@ -48,7 +50,10 @@ class _FoldingOps(TorchOps):
     (GROUPED, 33, False, False),  # decode past one wave of programs: the group op after each product
     (GROUPED, 10, True, True),  # a verify pass (several tokens of a sequence)
     (GROUPED, 64, True, True),
-    (GROUPED, 65, True, False),  # past fold_multi_tokens (a long prefill): the group op after each product
+    (GROUPED, 65, True, False),  # past fold_multi_token_ranks (a long prefill): the group op after each product
+    (GROUPED64, 16, True, True),  # a higher rank folds fewer tokens
+    (GROUPED64, 17, True, False),
+    (GROUPED64, 32, False, True),  # decode's bound does not depend on the rank
     (SimpleNamespace(groups=None), 1, False, False),  # no fused group stacks to pass
     (None, 1, False, False),  # no adapters in the batch
 ])
