@@ -204,7 +204,8 @@ def engine():
                kernels={"attn_block_n": 16, "attn_rows": 0, "norm_chunk": 64, "silu_lora_block": 128,
                         "expand_block_n": 16, "shrink_warps": 4}) == ref
     # speculative cycles: their verify passes (several tokens of one sequence) fold LoRA as decode steps do, and with
-    # fold_multi_token_ranks 0 apply it with the split kernels after each product instead; attention's wide tiles on and off
+    # fold_multi_token_ranks 0 apply it with the split kernels after each product instead; attention's wide tiles on
+    # and off
     from engine_ext import SpecConfig
 
     spec = SpecConfig(num_draft_tokens=3, gate=False)
