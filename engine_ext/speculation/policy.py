@@ -327,8 +327,13 @@ def hold_steps(margin: float, tune: Tuning) -> int:
 
 # ------------------------------------------------------------ draft lengths
 def priced_batch(batch: Decoding, est: Estimates) -> pricing.Batch:
-    """The batch as the cost model prices it: each sequence's acceptance, and a closed batch's slowest sequence."""
+    """The batch as the cost model prices it: each sequence's acceptance, and whether a closed batch is priced by
+    its slowest sequence: with a laggard among its adapters (Estimator.batch_acceptance), or with riders beside
+    drafters (a rider decodes a token a pass, a drafter of low acceptance about one a cycle: priced by tokens per
+    second alone, the riders finish and leave the drafters to end the batch alone)."""
     accs, slowest = est.batch_acceptance(batch.adapters, batch.left)
+    if slowest is None and batch.left is not None and any(batch.ride) and not all(batch.ride):
+        slowest = batch.left
     riding = len({a for a, r in zip(batch.adapters, batch.ride) if r})
     return pricing.Batch(tuple(accs), batch.caps, batch.ride, batch.num_base, len(set(batch.adapters)), riding,
                          closed=batch.left is not None, slowest=slowest)
