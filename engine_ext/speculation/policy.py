@@ -167,7 +167,7 @@ def decide(state: State, batch: Decoding, est: Estimates, tune: Tuning) -> tuple
     if gated_off(state, batch.adapters, est, tune):
         return _plain(state, Decision.PLAIN_LOW_ACCEPTANCE, tune, room=False)
     if isinstance(state, Hold) and holds(state.key, batch, tune) and not probe_due(state, tune):
-        return _held(state, tune)
+        return _held(state)
     if not batch.reserved:
         return _plain(state, Decision.PLAIN_UNRESERVED, tune)
     priced = priced_batch(batch, est)
@@ -233,7 +233,7 @@ def _plain(state: State, decision: Decision, tune: Tuning, room: bool = True,
     return Choice(decision), Plain(room=room, **common)
 
 
-def _held(state: Hold, tune: Tuning) -> tuple[Choice, State]:
+def _held(state: Hold) -> tuple[Choice, State]:
     """One held step: plain again without re-pricing; room is reserved for the step after the last."""
     common = {"probes": state.probes, "plain_run": state.plain_run + 1, "cycle_run": 0}
     if state.left > 1:
