@@ -60,7 +60,7 @@ H200_1B_R16 = LoopCosts(batches=(1, 8, 32), base=(1.12, 1.18, 1.31), plain=(1.23
 # The same device, with host work the device hides (a device-bound loop)
 H200_1B_R16_FAST_HOST = LoopCosts(batches=H200_1B_R16.batches, base=H200_1B_R16.base, plain=H200_1B_R16.plain,
                                   verify=H200_1B_R16.verify, host_plain=0.6, host_cycle=0.7, host_per_pass=0.05)
-# 1B rank 64 at batch 32, k = 2..4 as measured; k = 1 measured 4.69 ms (issue 41: a kernel path to fix), here
+# 1B rank 64 at batch 32, k = 2..4 as measured; k = 1 measured 4.69 ms (a kernel path slower than k = 2's), here
 # between plain's and k = 2's: priced from the nearest size measured, a cold gate that measured it first would
 # price every longer cycle as dear and not try one
 H200_1B_R64 = LoopCosts(batches=(1, 32), base=(1.12, 1.31), plain=(1.3, 2.88),

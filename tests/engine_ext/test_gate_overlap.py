@@ -24,8 +24,8 @@ def gated(costs, acceptance, rate: float = 30.0, legacy: bool = False):
 @pytest.mark.parametrize("acceptance", [1.0, 0.98, NEAR], ids=["all", "0.98", "near-and-base"])
 def test_accepted_drafts_at_light_load_run_cycles(acceptance):
     """The H200's host work (~1.9 ms a step) exceeds a plain step's device time at light load: a plain step costs
-    its host time, a cycle of four drafts its device time, and the gate runs cycles (issue 41's acceptance 4: at
-    least 90% of decode steps), at forced drafting's TPOT."""
+    its host time, a cycle of four drafts its device time, and the gate runs cycles (at least 90% of decode
+    steps), at forced drafting's TPOT."""
     run = gated(H200_1B_R16, acceptance)
     forced = simulate(Gate(SpecConfig(num_draft_tokens=4, gate=False)), H200_1B_R16, traffic(acceptance))
     plain = simulate(NoSpeculation(), H200_1B_R16, traffic(acceptance))
