@@ -1,9 +1,9 @@
-"""Measured pass times, the inputs of the gate's cost model.
+"""Measured pass times, the inputs of the gate's cost model (kept by estimator.Estimator).
 
-Pass kinds: "plain" (a whole plain engine step, host work included), "base" (one LoRA-off drafting pass),
-"lora" (one adapter-on verify pass), "prompted" (a drafting or verify pass that also ran prompts: the gate does
-not record it) and "overhead" (the rest of a cycle's engine step: host work not hidden behind the device, paid
-once per cycle whatever its length)."""
+Kinds: "plain" (a plain step's forward on the device, or, measured without its span, the whole step launch to
+launch), "base" (one LoRA-off drafting pass), "lora" (one adapter-on verify pass), "plain_host" and "cycle_host"
+(a step's own host work, by batch size) and "overhead" (a cycle measured without host time: the rest of its step
+beyond its passes). A pass that also ran prompts ("prompted") is not recorded."""
 
 from __future__ import annotations
 

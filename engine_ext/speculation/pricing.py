@@ -1,18 +1,32 @@
-"""The gate's arithmetic, as pure functions of measured pass times (cost.StepTimes) and acceptance estimates.
+"""The gate's arithmetic, as pure functions of pass costs (`Costs`: estimator.Estimator) and acceptance estimates.
 
 A cycle that drafts m tokens for a sequence whose drafts are accepted with probability a yields
-E(a, m) = (1 - a^(m+1)) / (1 - a) tokens. It costs its overhead (host work not hidden behind the device, paid once
-per cycle whatever its length) plus M = max m base-only passes plus one adapter-on verify pass over sum(m + 1)
-tokens, against one plain adapter-on step per token. Riders decode in every pass: M + 1 tokens a cycle."""
+E(a, m) = (1 - a^(m+1)) / (1 - a) tokens. In the overlapped loop it costs max(device, host): its device time is
+M = max m base-only passes plus one adapter-on verify pass over sum(m + 1) tokens, its host time the cycle's host
+work, paid once whatever its length. A plain step gives one token per sequence at max(plain device, plain host).
+Riders decode in every pass: M + 1 tokens a cycle."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from .acceptance import useful_drafts
-from .cost import StepTimes
+
+
+class Costs(Protocol):
+    """Seconds of each step kind in the overlapped loop (estimator.Estimator; tests pass fixed tables)."""
+
+    def plain(self, n: int, distinct: int, exact: bool = False) -> float | None:
+        """A plain step of n sequences over `distinct` adapters (None: not measured; `exact`: at this size)."""
+
+    def cycle(self, n: int, passes: int, tokens: int, distinct: int, riding: int) -> tuple[float, float] | None:
+        """(device, host) of a cycle: `passes` drafting passes, a verify pass of `tokens` (None: unmeasured)."""
+
+    def verify_slope(self, tokens: int, distinct: int) -> float:
+        """Device seconds per verify token (0.0: unknown)."""
 
 
 @dataclass(frozen=True)
@@ -38,31 +52,37 @@ def expected_gains(accs: np.ndarray, lengths: np.ndarray, ride: np.ndarray, pass
     return np.where(ride, passes + 1.0, gains)
 
 
-def adapter_on_time(times: StepTimes, tokens: int, distinct: int) -> float | None:
-    """An adapter-on pass of `tokens` tokens: from the verify passes measured (`StepTimes.get`), else, before any
-    cycle, the nearest plain step (optimistic for a larger pass: a decision it drives measures the size). A plain
-    step is not used once verify passes are measured: its time includes host work the cycle's overhead counts."""
-    t = times.get("lora", tokens, distinct)
-    return t if t is not None else times.get("plain", tokens, distinct)
-
-
-def cycle_rate(times: StepTimes, batch: Batch, lengths: list[int], slowest: bool = True) -> float | None:
+def cycle_rate(costs: Costs, batch: Batch, lengths: list[int], slowest: bool = True) -> float | None:
     """Tokens per second of a cycle with these draft lengths (None: a pass kind never measured). With `slowest`
     and batch.slowest set: the batch's tokens over the time its slowest sequence takes at this cycle."""
     passes = max(lengths, default=0)
-    if not passes:
+    parts = cycle_parts(costs, batch, lengths)
+    if parts is None:
         return None
-    n = len(lengths) + batch.num_base
-    t_base = times.get("base", n, batch.riding)
-    t_verify = adapter_on_time(times, sum(lengths) + len(lengths) + batch.num_base, batch.distinct)
-    if t_base is None or t_verify is None:
-        return None
-    t_cycle = (times.get("overhead", n, 0) or 0.0) + passes * t_base + t_verify
+    t_cycle = max(parts)
     gains = expected_gains(np.array(batch.accs), np.array(lengths), np.array(batch.ride, dtype=bool), passes)
     if slowest and batch.slowest:
         left = np.array(batch.slowest, dtype=float)
         return float(left.sum() / ((left / gains).max() * t_cycle))
     return float((gains.sum() + batch.num_base * (passes + 1)) / t_cycle)
+
+
+def cycle_parts(costs: Costs, batch: Batch, lengths: list[int]) -> tuple[float, float] | None:
+    """(device, host) seconds of a cycle with these draft lengths (None: nothing to draft, or unmeasured)."""
+    passes = max(lengths, default=0)
+    if not passes:
+        return None
+    verify = sum(lengths) + len(lengths) + batch.num_base
+    return costs.cycle(len(lengths) + batch.num_base, passes, verify, batch.distinct, batch.riding)
+
+
+def verify_token_cost(costs: Costs, batch: Batch, lengths: list[int]) -> float:
+    """What one more verify token adds to a cycle's time: the verify pass's cost per token while the cycle is
+    bound by its device time, nothing while the host's work hides it."""
+    parts = cycle_parts(costs, batch, lengths)
+    if parts is None or parts[0] <= parts[1]:
+        return 0.0
+    return costs.verify_slope(sum(lengths) + len(lengths) + batch.num_base, batch.distinct)
 
 
 def lengths_for(batch: Batch, passes: int, min_acceptance: float) -> list[int]:
@@ -72,25 +92,25 @@ def lengths_for(batch: Batch, passes: int, min_acceptance: float) -> list[int]:
             for r, a, cap in zip(batch.ride, batch.accs, batch.caps)]
 
 
-def best_lengths(times: StepTimes, batch: Batch, k: int, min_acceptance: float) -> tuple[list[int], float | None]:
+def best_lengths(costs: Costs, batch: Batch, k: int, min_acceptance: float) -> tuple[list[int], float | None]:
     """The draft lengths that maximise the predicted rate, and that rate. For each M in 1..k every adapter sequence
-    drafts M (`lengths_for`); then, once the verify pass's cost per token is known (two measured sizes), each keeps
-    only the drafts that repay their verify tokens, and at least one: its j-th draft adds a^j expected tokens for
-    one more verify token, worth it while a^j >= rate x seconds per verify token. A closed batch keeps its drafts
-    (it waits for its slowest sequence). Nothing measured yet: M = 1, the cheapest cycle that
-    measures both pass kinds."""
+    drafts M (`lengths_for`); then, once a verify token's cost is known (two measured sizes, and a cycle bound by
+    its device time: `verify_token_cost`), each keeps only the drafts that repay their verify tokens, and at least
+    one: its j-th draft adds a^j expected tokens for one more verify token, worth it while a^j >= rate x seconds per
+    verify token. A closed batch keeps its drafts (it waits for its slowest sequence). Nothing measured yet: M = 1,
+    the cheapest cycle that measures both pass kinds."""
     best, best_rate = lengths_for(batch, 1, min_acceptance), None
     for passes in range(1, k + 1):
         cand = lengths_for(batch, passes, min_acceptance)
-        rate = cycle_rate(times, batch, cand)
+        rate = cycle_rate(costs, batch, cand)
         if rate is None:
             continue
-        per_token = times.slope("lora", sum(cand) + len(cand) + batch.num_base, batch.distinct)
+        per_token = verify_token_cost(costs, batch, cand)
         if per_token > 0 and passes > 1 and not batch.closed:
             worth = rate * per_token
             pruned = [min(m, max(1, useful_drafts(a, worth))) if m > 1 else m for m, a in zip(cand, batch.accs)]
             if pruned != cand:
-                cand, rate = pruned, cycle_rate(times, batch, pruned, slowest=False)
+                cand, rate = pruned, cycle_rate(costs, batch, pruned, slowest=False)
         if best_rate is None or rate > best_rate:
             best, best_rate = cand, rate
     return best, best_rate

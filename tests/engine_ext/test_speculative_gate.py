@@ -2,11 +2,12 @@
 counted in stats(); drafting off when adapters are far from the base, on when they are close."""
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig, StepContext
-from engine_ext.speculation import Decision, Gate, StepResult
+from engine_ext.speculation import Decision, Gate, StepResult, policy
 from engine_ext.speculation.acceptance import AdapterAcceptance, expected_tokens
 from engine_ext.speculation.cost import StepTimes
 from engine_ext.scheduler import ScheduledBatch
@@ -65,8 +66,17 @@ def pin_times(engine, base, lora, plain, still_measured=()):
     measure(times, "plain", 4, 1, plain)
     record = times.record
     times.record = lambda kind, *measured, **how: record(kind, *measured, **how) if kind in still_measured else None
-    engine.gate.times = times
+    engine.gate.estimator.times = times
     return times
+
+
+def decide(gate, adapters, num_base=0, prompts=0, caps=None) -> policy.Choice:
+    """One decision of the gate's policy for this decoding batch (draft lengths of its own choosing), counted."""
+    caps = tuple(caps or [gate.cfg.num_draft_tokens] * len(adapters))
+    batch = policy.Decoding(tuple(adapters), caps, (False,) * len(adapters), num_base, prompts)
+    choice, gate.state = policy.decide(gate.state, batch, gate.estimator, gate.tuning)
+    gate.count(choice.decision)
+    return choice
 
 
 def test_draft_length_follows_acceptance_and_cost():
@@ -113,13 +123,13 @@ def test_decide_compares_measured_rates():
     measure(gate, "base", 2, 0, 0.010)
     measure(gate, "plain", 2, 1, 0.040)  # adapters are expensive: speculation pays
     measure(gate, "lora", 6, 1, 0.045)
-    assert gate.decide(["x", "x"], [2, 2], num_base=0)
+    assert decide(gate, ["x", "x"]).lengths
     slow = Gate(SpecConfig(num_draft_tokens=2, gate=True))
     slow.adapter("x").ema = 0.9
     measure(slow, "base", 2, 0, 0.040)
     measure(slow, "plain", 2, 1, 0.041)  # adapters nearly free and drafting slow: plain wins
     measure(slow, "lora", 6, 1, 0.120)
-    assert not slow.decide(["x", "x"], [2, 2], num_base=0)
+    assert not decide(slow, ["x", "x"]).lengths
     assert gate.decisions["speculate"] == 1 and slow.decisions["plain_cost"] == 1
 
 
@@ -130,10 +140,10 @@ def test_plain_step_measured_before_plain_is_priced():
     gate.adapter("x").ema = 0.9
     measure(gate, "base", 2, 0, 0.010)
     measure(gate, "lora", 6, 1, 0.045)
-    assert not gate.decide(["x", "x"], [2, 2], num_base=0)
+    assert not decide(gate, ["x", "x"]).lengths
     assert gate.decisions["plain_explore"] == 1
     measure(gate, "plain", 2, 1, 0.012)  # plain is cheap here: 2 tokens / 12 ms beat 5.4 tokens / 65 ms
-    assert not gate.decide(["x", "x"], [2, 2], num_base=0)
+    assert not decide(gate, ["x", "x"]).lengths
     assert gate.decisions["plain_cost"] == 1
 
 
@@ -186,10 +196,10 @@ def test_plain_measured_once_at_each_batch_size_as_the_batch_shrinks():
     measure(gate, "lora", 96, 1, 0.030)
     measure(gate, "plain", 32, 1, 0.020)
     assert gate.times.get("plain", 8, 1, exact=True) is None
-    assert not gate.decide(["x"] * 8, [2] * 8, num_base=0) and gate.decisions["plain_explore"] == 1
+    assert not decide(gate, ["x"] * 8).lengths and gate.decisions["plain_explore"] == 1
     measure(gate, "plain", 8, 1, 0.012)
-    gate.decide(["x"] * 8, [2] * 8, num_base=0)
-    gate.decide(["x"] * 32, [2] * 32, num_base=0)
+    decide(gate, ["x"] * 8).lengths
+    decide(gate, ["x"] * 32).lengths
     assert gate.decisions["plain_explore"] == 1 and sum(gate.decisions.values()) == 3
 
 
@@ -201,14 +211,15 @@ def test_no_plain_exploring_in_a_step_with_prompts():
     gate.adapter("x").ema = 0.9
     measure(gate, "base", 8, 0, 0.009)
     measure(gate, "lora", 24, 1, 0.015)
-    assert gate.decide(["x"] * 8, [2] * 8, num_base=0, prompts=2)
+    assert decide(gate, ["x"] * 8, prompts=2).lengths
     assert gate.decisions["speculate_explore"] == 1 and "plain_explore" not in gate.decisions
     measure(gate, "plain", 4, 1, 0.008)
     measure(gate, "plain", 16, 1, 0.016)  # plain at 8 sequences lies between: 0.012 s, 667 tok/s
     assert gate.times.get("plain", 8, 1, exact=True) is None
-    assert not gate.decide(["x"] * 8, [2] * 8, num_base=0, prompts=1)  # 21.7 tokens / 33 ms: 657 tok/s
+    assert not decide(gate, ["x"] * 8, prompts=1).lengths  # plain priced at 667 tok/s, above the cycle's
     assert gate.decisions["plain_cost"] == 1 and "plain_explore" not in gate.decisions
-    assert not gate.decide(["x"] * 8, [2] * 8, num_base=0)  # no prompts: one plain step measures this size
+    gate.state = policy.Plain()  # (priced plain by a margin, the gate holds: here the next step is priced)
+    assert not decide(gate, ["x"] * 8).lengths  # no prompts: one plain step measures this size
     assert gate.decisions["plain_explore"] == 1
 
 
@@ -260,18 +271,21 @@ def test_gate_turns_drafting_off_for_far_and_on_for_close_adapters(model, adapte
 
 def test_gated_off_needs_every_adapter_low_and_no_remeasure_due():
     gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
+    est, tune = gate.estimator, gate.tuning
+
+    def gated_off(adapters, state=policy.Explore()):
+        return policy.gated_off(state, tuple(adapters), est, tune)
+
     for name in ("a", "b"):
         gate.adapter(name).ema = 0.0
-    assert gate.gated_off(["a", "b", "a"])
-    assert not gate.gated_off([])  # nothing to gate
+    assert gated_off(["a", "b", "a"])
+    assert not gated_off([])  # nothing to gate
     gate.adapter("c").ema = 0.9
-    assert not gate.gated_off(["a", "c"])  # c drafts
+    assert not gated_off(["a", "c"])  # c drafts
     gate.adapter("b").idle_steps = gate.probe_interval
-    assert not gate.gated_off(["a", "b"])  # b is due a re-measure
+    assert not gated_off(["a", "b"])  # b is due a re-measure
     gate.adapter("b").idle_steps = 0
-    gate.plain_streak = gate.probe_interval
-    assert not gate.gated_off(["a", "b"])  # a probe cycle is due
-    assert not Gate(SpecConfig(num_draft_tokens=4, gate=False)).gated_off(["a"])
+    assert not gated_off(["a", "b"], policy.Plain(plain_run=gate.probe_interval))  # a probe cycle is due
 
 
 def test_per_cycle_overhead_favours_longer_cycles():
@@ -295,7 +309,8 @@ def test_per_cycle_overhead_favours_longer_cycles():
 
 def test_cycles_feed_the_per_pass_cost_model(model):
     """A cycle is timed as a whole (its passes are queued without a host sync): each pass by its device span, and
-    the rest of the cycle's step (launch to the next launch) once, as the cycle's overhead."""
+    its host work once (StepResult.host_s; measured without it, the rest of the cycle's step, launch to the next
+    launch, as the cycle's overhead)."""
     path, adapters = model
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=SpecConfig(num_draft_tokens=3,
                                                                                             gate=False)))
@@ -307,8 +322,8 @@ def test_cycles_feed_the_per_pass_cost_model(model):
     times = engine.gate.times
     assert times.get("base", 4, 0, exact=True) > 0  # 4 sequences drafting
     assert times.get("lora", 16, 1, exact=True) > 0  # verify: 4 x (last + 3 drafts)
-    overhead = times.get("overhead", 4, 0, exact=True)  # once per cycle, by batch size
-    assert overhead is not None and overhead >= 0
+    host = [times.get(kind, 4, 0, exact=True) for kind in ("cycle_host", "overhead")]  # once per cycle, by batch
+    assert any(t is not None and t >= 0 for t in host)
 
 
 @pytest.mark.parametrize("late_sampled", [False, True], ids=["greedy-arrival", "sampled-arrival"])
@@ -345,9 +360,10 @@ def test_passes_that_ran_prompts_price_no_draft_length(model, late_sampled):
 
 @pytest.mark.parametrize("gate_on", [True, False], ids=["gated", "forced"])
 def test_plain_steps_and_cycle_overhead_are_priced_by_the_whole_engine_step(model, gate_on, monkeypatch):
-    """Output processing is paid per plain step but once per cycle: both are timed over the whole engine step
-    (here made 30 ms slower), so a plain step is recorded at no less than that, and so is a cycle's overhead. (With
-    the gate off every decoding step of this traffic is a cycle: no plain step to time.)"""
+    """Output processing is paid per plain step but once per cycle: here made 30 ms slower, it is host work the
+    device does not hide, so a plain step is priced at no less than that, and so is a cycle (by its host time, or,
+    measured without it, by its steps' whole time). (With the gate off every decoding step of this traffic is a
+    cycle: no plain step to time.)"""
     path, adapters = model
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=SpecConfig(num_draft_tokens=2,
                                                                                             gate=gate_on)))
@@ -362,34 +378,33 @@ def test_plain_steps_and_cycle_overhead_are_priced_by_the_whole_engine_step(mode
     prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
     engine.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
                     adapter_names=["close"] * 4)
-    times = engine.gate.times
-    plain = [v for (kind, _, _), v in times._t.items() if kind == "plain"]
-    overhead = [v for (kind, _, _), v in times._t.items() if kind == "overhead"]
+    est, times = engine.gate.estimator, engine.gate.times
+    plain = [est.plain(tokens, adapters) for (kind, tokens, adapters) in times._t if kind == "plain"]
     assert (plain and min(plain) >= 0.03) if gate_on else not plain
     # plain decoding's price comes from decode steps only: the prefill step (12 prompt tokens) is not recorded,
     # or it would serve as the nearest "plain" measurement of a batch not measured yet
     assert all(tokens <= 4 for kind, tokens, _ in times._t if kind == "plain")
-    assert overhead and min(overhead) >= 0.03
+    cycles = [est.cycle(tokens, 1, 2 * tokens, 1, 0) for (kind, tokens, _) in times._t if kind == "base"]
+    assert cycles and min(max(c) for c in cycles) >= 0.03
 
 
 def test_probes_back_off_while_they_find_nothing():
-    """A probe cycle answered by plain again doubles the wait before the next (64, 128, ... up to 8x); a cycle the
-    gate chooses on its own merits brings it back to 64."""
+    """A probe cycle answered by plain again (once it is read) doubles the wait before the next (64, 128, ... up to
+    8x); a cycle the gate chooses on its own merits brings it back to 64."""
     gate = Gate(SpecConfig(num_draft_tokens=4, gate=True))
     gate.adapter("far").ema = 0.0
     intervals = []
     for _ in range(5):
         steps = 0
-        while gate.gated_off(["far"]):
-            gate.count("plain_low_acceptance", "fast path")
+        while (choice := decide(gate, ["far"])).decision is Decision.PLAIN_LOW_ACCEPTANCE:
             steps += 1
         intervals.append(steps)
-        assert gate.decide(["far"], gate.draft_lengths(["far"], [4], batch=1), num_base=0)  # the probe
-        assert gate.decisions["speculate_probe"] == len(intervals)
+        assert choice.decision is Decision.SPECULATE_PROBE and choice.lengths == (1,)
+        assert gate.decisions["speculate_probe"] == len(intervals) and gate.state.name == "probe"
         gate.adapter("far").observe(drafted=1, accepted=0, weight=0.1)
-        gate.adapter("far").idle_steps = 0
+        gate.state = policy.measured(gate.state, "cycle")
     assert intervals == [64, 128, 256, 512, 512]
-    gate.count("speculate", "drafting pays again")
+    _, gate.state = policy._cycle(gate.state, Decision.SPECULATE, [4], gate.tuning)  # drafting pays again
     assert gate.probe_interval == 64
 
 
@@ -401,7 +416,8 @@ def test_hold_steps_follow_the_margin_of_a_plain_decision():
         measure(gate, "base", 2, 0, 0.040)
         measure(gate, "lora", 6, 1, 0.120)
         measure(gate, "plain", 2, 1, plain_seconds)
-        return gate.decide(["x", "x"], [2, 2], num_base=0), gate.hold_steps()
+        choice = decide(gate, ["x", "x"])
+        return choice.lengths is not None, gate.state.left if isinstance(gate.state, policy.Hold) else 0
 
     assert decided(0.041) == (False, 16)  # plain 80% ahead: held for the most steps
     assert decided(0.070) == (False, 2)  # 5.6% ahead: two
@@ -503,10 +519,10 @@ def test_plain_remeasured_after_a_run_of_cycles_with_back_off():
     assert until_plain(0.012) == (128, Decision.PLAIN_PROBE, True)  # the first probe lost: twice the wait
     plan = gate.plan(ScheduledBatch(seqs, lookahead=2))  # priced at 12 ms a plain step (167 tok/s): plain
     assert not plan.speculate and gate.last_decision is Decision.PLAIN_COST and not plan.remeasure
-    assert gate.plain_probe_backoff == 1 and gate.decisions["plain_probe"] == 2
-    gate.spec_streak = 64
-    assert gate.plain_probe_due(prompts=0)
-    assert not gate.plain_probe_due(prompts=1)  # a plain step with a prompt is not timed: no probe in it
+    assert gate.state.probes.plain_backoff == 1 and gate.decisions["plain_probe"] == 2
+    streak = replace(gate.state, cycle_run=64)
+    assert policy.plain_probe_due(streak, 0, gate.tuning)
+    assert not policy.plain_probe_due(streak, 1, gate.tuning)  # a plain step with a prompt is not timed: no probe
 
 
 def test_engine_remeasures_a_plain_time_measured_high(model):
@@ -519,14 +535,14 @@ def test_engine_remeasures_a_plain_time_measured_high(model):
                                     speculative=SpecConfig(num_draft_tokens=4, min_acceptance=0.0)))
     engine.add_adapter("far", adapters["far"])
     times = pin_times(engine, base=0.5, lora=0.5, plain=50.0, still_measured=("plain",))
-    engine.gate.base_probe_interval = 8
+    engine.gate.tuning = replace(engine.gate.tuning, probe_interval=8)
     prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     out = engine.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
     decisions = engine.stats()["speculative"]["gate_decisions"]
     # (the step planned while the probe runs is priced at the old time: its time is read a step later)
     assert 8 <= decisions["speculate"] <= 9 and decisions["plain_probe"] == 1 and decisions["plain_cost"] > 0
-    assert times.get("plain", 4, 1) < 5.0 and engine.gate.plain_probe_backoff == 1
+    assert times.get("plain", 4, 1) < 5.0 and engine.gate.state.probes.plain_backoff == 1
     plain = LLMEngine(EngineConfig(model=path, num_kv_blocks=256))
     plain.add_adapter("far", adapters["far"])
     ref = plain.generate(prompt_token_ids=prompts, sampling_params=params, adapter_names=["far"] * 4)
