@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from deployments.replica_adapters import AdapterBlocked, ReplicaAdapters
-from deployments.replica_placement import ReplicaPlacement
+from deployments.replica.adapters import AdapterBlocked, ReplicaAdapters
+from deployments.replica.placement import ReplicaPlacement
 from router.placement import PlacementConfig
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.openai_api import IngressDeps, create_openai_app
-from deployments.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
+from deployments.data_plane.openai_api import IngressDeps, create_openai_app
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
 from serving_fakes import Disabled, FakeLLM, FakeResolver, NotFound, Rec
 
 KEY, OTHER = "sk-test-tenant-a", "sk-test-tenant-b"
@@ -245,7 +245,7 @@ def test_cold_load_gate_caps_concurrent_requests_for_an_unloaded_adapter():
 
 
 def test_the_public_schema_lists_no_admin_route():
-    from deployments.ingress import add_placement_route
+    from deployments.data_plane.ingress import add_placement_route
 
     client, _, deps = make()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from deployments.protocol import GenerateRequest
+from deployments.data_plane.protocol import GenerateRequest
 
 __all__ = ["Refused", "PromptShaper", "too_long"]
 
@@ -87,7 +87,7 @@ class PromptShaper:
         return SamplingParams(**sampling)
 
     def logprob_entries(self, out) -> Optional[list]:
-        """[token text, logprob, [[text, logprob], ...]] per new token of `out` (deployments.protocol)."""
+        """[token text, logprob, [[text, logprob], ...]] per new token of `out` (deployments.data_plane.protocol)."""
         if out.new_logprobs is None:
             return None
         tok = self.tokenizer

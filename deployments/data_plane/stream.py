@@ -14,12 +14,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
-from deployments import responses as R
-from deployments.errors import APIError, error_body, retry_after
-from deployments.protocol import GenerateRequest, ReplicaUnavailable, error_chunk
+from deployments.data_plane import responses as R
+from deployments.data_plane.errors import APIError, error_body, retry_after
+from deployments.data_plane.protocol import GenerateRequest, ReplicaUnavailable, error_chunk
 
 if TYPE_CHECKING:
-    from deployments.openai_api import IngressDeps
+    from deployments.data_plane.openai_api import IngressDeps
 
 __all__ = ["StreamRun"]
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Choice:
     parts: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # replica entries, see deployments.protocol
+    logprobs: list = field(default_factory=list)  # replica entries, see deployments.data_plane.protocol
     chars: int = 0
     finish_reason: Optional[str] = None
     tokens: int = 0

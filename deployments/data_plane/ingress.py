@@ -16,9 +16,9 @@ from deployments.config import AppConfig
 from deployments.dependency_health import DependencyGauge, DependencyHealth, DependencyUnavailable
 from deployments.metrics import PlacementTiers, ServingMetrics
 from deployments.placement import PlacementReporter
-from deployments.openai_api import IngressDeps, create_openai_app
-from deployments.protocol import GenerateRequest, ReplicaUnavailable
-from deployments.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
+from deployments.data_plane.openai_api import IngressDeps, create_openai_app
+from deployments.data_plane.protocol import GenerateRequest, ReplicaUnavailable
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
 from deployments.registry_view import RegistryView
 from router.keys import AdapterKey
 

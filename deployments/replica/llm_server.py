@@ -1,9 +1,9 @@
 """One LLM replica: a request in, the engine's tokens out, and the parts that keep the replica current.
 
 `LLMServer` is a plain class (engine and registry injected, so tests build it without Ray);
-`deployments.llm_deployment` wraps it as the Serve deployment `LLMServer`. Its parts, each in its module:
-which adapters it offers (`replica_adapters`), prompts and sampling per choice (`replica_prompts`), the
-change feed and the placement plan (`replica_sync`), and what it reports (`replica_report`: the engine's
+`deployments.replica.llm_deployment` wraps it as the Serve deployment `LLMServer`. Its parts, each in its module:
+which adapters it offers (`adapters`), prompts and sampling per choice (`prompts`), the
+change feed and the placement plan (`sync`), and what it reports (`report`: the engine's
 stats, the one counter set).
 """
 
@@ -16,14 +16,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from deployments.config import AppConfig
 from deployments.dependency_health import DependencyHealth
-from deployments.engine_streams import merge_streams
-from deployments.protocol import GenerateRequest, error_chunk
+from deployments.replica.engine_streams import merge_streams
+from deployments.data_plane.protocol import GenerateRequest, error_chunk
 from deployments.registry_view import BLOBS, dependency_name
-from deployments.replica_adapters import AdapterBlocked, ReplicaAdapters
-from deployments.replica_placement import ReplicaPlacement
-from deployments.replica_prompts import PromptShaper, Refused, prompt_param
-from deployments.replica_report import EngineStatsReader, replica_report
-from deployments.replica_sync import ReplicaSync
+from deployments.replica.adapters import AdapterBlocked, ReplicaAdapters
+from deployments.replica.placement import ReplicaPlacement
+from deployments.replica.prompts import PromptShaper, Refused, prompt_param
+from deployments.replica.report import EngineStatsReader, replica_report
+from deployments.replica.sync import ReplicaSync
 
 __all__ = ["LLMServer"]
 

@@ -19,9 +19,9 @@ from typing import Any, Awaitable, Callable
 
 from deployments.dependency_health import DependencyHealth
 from deployments.registry_view import METADATA, dependency_name
-from deployments.replica_adapters import ReplicaAdapters
-from deployments.replica_placement import ReplicaPlacement
-from deployments.replica_report import EngineStatsReader
+from deployments.replica.adapters import ReplicaAdapters
+from deployments.replica.placement import ReplicaPlacement
+from deployments.replica.report import EngineStatsReader
 from router.keys import AdapterKey
 from router.placement import TIER_PINNED
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from deployments.dependency_health import DependencyHealth
-from deployments.errors import retry_after
+from deployments.data_plane.errors import retry_after
 
 __all__ = ["TokenBucket", "RateLimiter", "RedisRateLimiter", "RateLimited", "RefusalHold", "ColdLoadGate"]
 

@@ -17,7 +17,7 @@ import asyncio
 import time
 from typing import Any, Callable, Optional
 
-from deployments.replica_placement import ReplicaPlacement
+from deployments.replica.placement import ReplicaPlacement
 from router.keys import AdapterKey
 
 __all__ = ["ReplicaAdapters", "AdapterBlocked"]

@@ -26,14 +26,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import responses as R
+from deployments.data_plane import responses as R
 from deployments.dependency_health import DependencyUnavailable
-from deployments.errors import APIError, BodyLimit, retry_after
+from deployments.data_plane.errors import APIError, BodyLimit, retry_after
 from deployments.metrics import CONTENT_TYPE, ServingMetrics
-from deployments.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
-from deployments.protocol import GenerateRequest
-from deployments.rate_limit import ColdLoadGate, RateLimited, RateLimiter, RefusalHold
-from deployments.stream import StreamRun
+from deployments.data_plane.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
+from deployments.data_plane.protocol import GenerateRequest
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimited, RateLimiter, RefusalHold
+from deployments.data_plane.stream import StreamRun
 from registry.api_docs import api_docs_page
 from router.keys import AdapterKey
 
