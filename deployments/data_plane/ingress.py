@@ -17,7 +17,7 @@ from deployments.dependency_health import DependencyGauge, DependencyHealth, Dep
 from deployments.metrics import PlacementTiers, ServingMetrics
 from deployments.placement import PlacementReporter
 from deployments.data_plane.openai_api import IngressDeps, create_openai_app
-from deployments.data_plane.protocol import GenerateRequest, ReplicaUnavailable
+from deployments.data_plane.protocol import GenerateRequest, PromptBound, ReplicaUnavailable
 from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
 from deployments.registry_view import RegistryView
 from router.keys import AdapterKey
@@ -48,6 +48,10 @@ class ServeLLMClient:
             raise ReplicaUnavailable(f"{type(e).__name__}") from e
         finally:
             gen.cancel()  # no-op when finished; aborts the replica's generation otherwise
+
+
+    async def prompt_bound(self) -> PromptBound:
+        return await self._handle.prompt_bound.remote()
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -94,6 +98,7 @@ class OpenAIIngress:
             registry_errors=(AdapterNotFound, AdapterDisabled),
             upload_prefix=f"{cfg.admin_prefix}/v1/uploads/",
         )
+        self.deps.prompt_bound.get(self.deps.llm)  # asked now: known before the first long prompt comes
         if self.placement is not None:
             self.placement.start()  # on the replica's event loop: replica reports flow before any request
 

@@ -2,17 +2,19 @@
 
 `create_openai_app(IngressDeps(...))` has no Ray in it: the Serve ingress passes an `llm`
 that calls the replicas through a deployment handle; unit tests pass a fake.
-Order of checks per request: body size -> API key -> the tenant's bench (RefusalHold: a caller refused over
-and over) -> the tenant's rate limit -> body -> model name -> registry (visibility, disabled, canary pick) ->
-the adapter's rate limit -> cold-load gate -> replica, so a request refused for its body has cost its tenant a
-token like any other, and every 4xx answer to a tenant counts towards benching it. Every error answer is an OpenAI
-error body and is counted by status and reason in `/metrics`; a dependency out of reach (the registry's
-Redis or S3) is a 503 with Retry-After. Without `metrics_token`, /metrics names no tenant and no
+Order of checks per request: API key -> the caller's bench (RefusalHold: a caller refused over and over) -> the
+tenant's rate limit, all in the front door (`front_door.FrontDoor`) from the headers alone -> body size -> body ->
+the prompt's length against the replicas' bound (`protocol.PromptBound`) -> model name -> registry (visibility,
+disabled, canary pick) -> the adapter's rate limit -> cold-load gate -> replica, so a request refused for its body
+has cost its tenant a token like any other, and every 4xx answer to a caller counts towards benching it. Every
+error answer is an OpenAI error body and is counted by status and reason in `/metrics`; a dependency out of reach
+(the registry's Redis or S3) is a 503 with Retry-After. Without `metrics_token`, /metrics names no tenant and no
 tenant-private adapter (both labelled "private").
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -31,13 +33,14 @@ from deployments.dependency_health import DependencyUnavailable
 from deployments.data_plane.errors import APIError, BodyLimit, retry_after
 from deployments.metrics import CONTENT_TYPE, ServingMetrics
 from deployments.data_plane.openai_schema import ChatCompletionRequest, CompletionRequest, parse_model
-from deployments.data_plane.protocol import GenerateRequest
-from deployments.data_plane.rate_limit import ColdLoadGate, RateLimited, RateLimiter, RefusalHold
+from deployments.data_plane.front_door import FrontDoor, caller_of, take
+from deployments.data_plane.protocol import GenerateRequest, PromptBound
+from deployments.data_plane.rate_limit import ColdLoadGate, RefusalHold
 from deployments.data_plane.stream import StreamRun
 from registry.api_docs import api_docs_page
 from router.keys import AdapterKey
 
-__all__ = ["create_openai_app", "IngressDeps", "LLMClient", "Resolver", "Limiter"]
+__all__ = ["create_openai_app", "IngressDeps", "KnownBound", "LLMClient", "Resolver", "Limiter"]
 
 logger = logging.getLogger(__name__)
 PRIVATE = "private"  # the adapter label of tenant-private adapters in an open /metrics
@@ -50,6 +53,8 @@ class Resolver(Protocol):
 
 class LLMClient(Protocol):
     def stream(self, req: GenerateRequest) -> AsyncIterator[dict]: ...
+
+    async def prompt_bound(self) -> PromptBound: ...  # the replicas' (each replica has the same)
 
 
 class Limiter(Protocol):
@@ -83,6 +88,33 @@ class IngressDeps:
     readiness: Optional[Callable[[], Mapping[str, bool]]] = None
     upload_prefix: Optional[str] = None  # uploads under this path have the control plane's own size limit
     clock: Callable[[], float] = time.time
+    # the replicas' prompt bound, asked of one in the background; until it answers prompts are checked on the replica
+    prompt_bound: "KnownBound" = field(default_factory=lambda: KnownBound())
+
+
+@dataclass
+class KnownBound:
+    """The replicas' `PromptBound`, asked of one replica once, in the background: None until one answers."""
+
+    value: Optional[PromptBound] = None
+    retry_s: float = 1.0  # the first wait after a failed ask; doubled up to 30 s
+    _task: Optional[asyncio.Task] = None
+
+    def get(self, llm: LLMClient) -> Optional[PromptBound]:
+        """The bound if known; the first call starts asking `llm` for it (on the running loop)."""
+        if self.value is None and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._ask(llm))
+        return self.value
+
+    async def _ask(self, llm: LLMClient) -> None:
+        wait = self.retry_s
+        while self.value is None:
+            try:
+                self.value = await llm.prompt_bound()
+            except Exception as e:  # noqa: BLE001 - no replica yet, or one that failed: ask again later
+                logger.info("asking a replica for its prompt bound failed (%s); again in %.0fs", e, wait)
+                await asyncio.sleep(wait)
+                wait = min(30.0, 2 * wait)
 
 
 @dataclass(frozen=True)
@@ -91,40 +123,6 @@ class _Model:
     name: str  # adapter name, "-" for the base
     private: bool
     record: Any = None  # the registry's record of the version (the replica loads its files from it)
-
-
-def _tenant(deps: IngressDeps, request: Request) -> str:
-    auth = request.headers.get("authorization", "")
-    scheme, _, key = auth.partition(" ")
-    tenant = deps.api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
-    if tenant is None:
-        raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
-    return tenant
-
-
-async def _take(deps: IngressDeps, scope: str, key: str) -> None:
-    """One token of `key`'s bucket in `scope`, or a 429."""
-    try:
-        if deps.limiter.blocking:
-            await run_in_threadpool(deps.limiter.take, scope, key)
-        else:
-            deps.limiter.take(scope, key)
-    except RateLimited as e:
-        deps.metrics.rate_limited.labels(e.scope).inc()
-        raise APIError(429, str(e), code="rate_limit_exceeded",
-                       headers={"Retry-After": RateLimiter.retry_after_header(e)}) from None
-
-
-async def _unbenched(deps: IngressDeps, tenant: str) -> None:
-    """A 429 for a benched `tenant` (RefusalHold), its answer held, else nothing."""
-    if not deps.hold.benched(tenant):
-        return
-    deps.metrics.rate_limited.labels("refusals").inc()
-    if await deps.hold.hold():
-        deps.metrics.refusals_held.inc()
-    wait = deps.hold.retry_after_s(tenant)
-    raise APIError(429, f"too many refused requests from tenant {tenant!r}; retry after {wait:.2f}s",
-                   code="rate_limit_exceeded", headers={"Retry-After": retry_after(wait)})
 
 
 def _unavailable(err: DependencyUnavailable) -> APIError:
@@ -164,6 +162,24 @@ def _sampling(body: Any, default_tokens: int, limit: int) -> tuple[dict[str, Any
     return {"max_tokens": max_tokens, **body.engine_sampling()}, explicit
 
 
+def _inputs(body: Any, chat: bool) -> dict[str, Any]:
+    """The prompt fields of the GenerateRequest of a parsed body."""
+    if chat:
+        return {"messages": [{"role": msg.role, "content": msg.text()} for msg in body.messages]}
+    if len(body.prompt) == 1 and isinstance(body.prompt[0], list):
+        return {"prompt_token_ids": body.prompt[0]}
+    if len(body.prompt) == 1:
+        return {"prompt": body.prompt[0]}
+    return {"prompts": list(body.prompt)}
+
+
+def _check_length(bound: Optional[PromptBound], inputs: dict[str, Any], chat: bool) -> None:
+    """A 400 for a prompt whose length alone shows it cannot fit the replicas' context (no tokenizer here)."""
+    why = None if bound is None else bound.refusal_of(**inputs)
+    if why is not None:
+        raise APIError(400, why, code="context_length_exceeded", param="messages" if chat else "prompt")
+
+
 def _validation_error(err: RequestValidationError) -> APIError:
     first = err.errors()[0] if err.errors() else {}
     if first.get("type") == "json_invalid":  # its loc is the offset of the error in the body, not a field
@@ -188,10 +204,10 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     def refused(request: Request, err: APIError) -> JSONResponse:
-        # a 4xx answer to an authenticated caller counts towards benching it (RefusalHold)
-        tenant = getattr(request.state, "tenant", None)
-        if tenant is not None and 400 <= err.status < 500:
-            deps.hold.refused(tenant)
+        # a 4xx answer to a caller the front door let in counts towards benching it (RefusalHold)
+        caller = caller_of(request.scope)
+        if caller is not None and 400 <= err.status < 500:
+            deps.hold.refused(str(caller))
         return answer(err)
 
     @app.exception_handler(APIError)
@@ -223,6 +239,10 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         return 413, err.body()
 
     app.add_middleware(BodyLimit, limit=deps.max_request_bytes, refuse=too_large, exempt=deps.upload_prefix)
+    # added last, so it runs first: the caller is known, benched or charged before the body limit reads a byte
+    app.add_middleware(FrontDoor, api_keys=deps.api_keys, limiter=deps.limiter, hold=deps.hold, answer=answer,
+                       count_limited=lambda scope: m.rate_limited.labels(scope).inc(),
+                       count_held=m.refusals_held.inc)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
@@ -257,14 +277,9 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
                 raise APIError(401, "/metrics needs the metrics token.", code="invalid_api_key")
         return Response(m.render(), media_type=CONTENT_TYPE)
 
-    async def authenticated(request: Request) -> str:
-        # A dependency, so FastAPI runs it before validating the body: a bad key is 401 first, and a benched
-        # tenant or one over its rate is 429 before its body is parsed. Async: no worker-thread hop for an
-        # in-process limiter.
-        tenant = request.state.tenant = _tenant(deps, request)
-        await _unbenched(deps, tenant)
-        await _take(deps, "tenant", tenant)
-        return tenant
+    def authenticated(request: Request) -> str:
+        """The tenant the front door let in."""
+        return caller_of(request.scope).tenant
 
     def visible(records) -> list[tuple[str, Optional[str]]]:
         """(name, owner tenant or None when public) of the adapters on this base, from the resolver's listing."""
@@ -307,23 +322,17 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         label, shown_tenant = "-", tenant if deps.metrics_token is not None else PRIVATE
         try:
+            inputs = _inputs(body, chat)
+            _check_length(deps.prompt_bound.get(deps.llm), inputs, chat)
             target = await run_in_threadpool(_resolve, deps, body.model, tenant, rid)
             redact = target.private and deps.metrics_token is None
             label = PRIVATE if redact else target.name
             sampling, explicit = _sampling(body, deps.default_chat_tokens if chat else deps.default_completion_tokens,
                                            deps.max_tokens_limit)
             if target.key is not None:
-                await _take(deps, "adapter", target.name)
-            common = dict(n=body.n, max_tokens_explicit=explicit, submitted_at=deps.clock(), adapter_record=target.record)
-            if chat:
-                messages = [{"role": msg.role, "content": msg.text()} for msg in body.messages]
-                req = GenerateRequest(rid, target.key, sampling, messages=messages, **common)
-            elif len(body.prompt) == 1 and isinstance(body.prompt[0], list):
-                req = GenerateRequest(rid, target.key, sampling, prompt_token_ids=body.prompt[0], **common)
-            elif len(body.prompt) == 1:
-                req = GenerateRequest(rid, target.key, sampling, prompt=body.prompt[0], **common)
-            else:
-                req = GenerateRequest(rid, target.key, sampling, prompts=list(body.prompt), **common)
+                await take(deps.limiter, "adapter", target.name, lambda scope: m.rate_limited.labels(scope).inc())
+            req = GenerateRequest(rid, target.key, sampling, n=body.n, max_tokens_explicit=explicit,
+                                  submitted_at=deps.clock(), adapter_record=target.record, **inputs)
             run = StreamRun(deps, req, shown_tenant, label, chat, body.model, logprobs=sampling["logprobs"] is not None,
                             include_usage=bool(body.stream_options and body.stream_options.include_usage),
                             redact=redact, request_id_header="x-request-id" not in request.headers)

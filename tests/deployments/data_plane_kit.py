@@ -29,6 +29,9 @@ class InProcessLLM:
         async for chunk in self.server.generate(req):
             yield chunk
 
+    async def prompt_bound(self):
+        return self.server.prompts.bound
+
 
 @dataclass
 class Kit:
