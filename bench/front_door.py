@@ -1,0 +1,188 @@
+"""The data plane's front door under floods, through the real app (`bind_app` on a local Ray cluster, the demo model
+on CPU, 2 LLM replicas, SQLite registry in a temp dir; no stub anywhere):
+
+1. malformed bodies: `--flood` bodies that are not JSON from one tenant at `--concurrency`, while another tenant
+   sends chat requests one after another: the flood's answers by status, and the other tenant's median latency
+   before and during it (acceptance: during within 1.5x of before);
+2. long prompts: a 1.9 MB prompt's refusal time (median and max of `--probes`, one at a time), then `--long`
+   such prompts at `--long-concurrency` from one tenant, repeated until the other tenant has `--samples` answers,
+   with its median before and during (acceptance: refused in under 50 ms; during within 1.3x).
+
+    python bench/front_door.py                       # SmolLM2-135M-Instruct demo (the default app)
+    python bench/front_door.py --recipe quick        # the toy demo: seconds to start
+
+The floods run in a child process (asyncio + httpx), so their client's CPU is not this process's GIL. Prints one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KEYS = {"sk-bench-flood-0001": "flood", "sk-bench-other-0001": "other", "sk-bench-probe-0001": "probe"}
+FLOOD, OTHER, PROBE = list(KEYS)
+CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
+LONG_CHARS = 1_900_000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(recipe: str, root: Path) -> tuple[str, str]:
+    """The real app on a local cluster -> (base URL, base model name)."""
+    import ray
+    from ray import serve
+
+    from deployments.application import bind_app
+    from deployments.bootstrap import bootstrap
+    from deployments.config import load_config
+
+    registry = {"registry_db": str(root / "registry.db"), "blob_dir": str(root / "blobs"),
+                "materialize_dir": str(root / "materialized"), "upload_dir": str(root / "uploads")}
+    args = {"demo_recipe": recipe, "num_replicas": 2, "api_keys": KEYS, "registry": registry,
+            "tenant_rates": {"other": {"rate": 1e6, "burst": 1e6}}}  # the measured tenant is never limited
+    cfg = bootstrap(load_config(args, env={}))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(bind_app(cfg), name="front-door", route_prefix="/")
+    return f"http://127.0.0.1:{port}", cfg.base_model_name
+
+
+# ---------------------------------------------------------------------------------------------- the floods
+async def _flood(url: str, key: str, body: bytes, total: int, concurrency: int, stop) -> dict:
+    import httpx
+
+    codes: list[int] = []
+    sent = 0
+
+    async def worker(http):
+        nonlocal sent
+        while sent < total or (stop is not None and not stop.is_set()):
+            sent += 1
+            r = await http.post(url, content=body, headers={"Authorization": f"Bearer {key}",
+                                                            "Content-Type": "application/json"})
+            codes.append(r.status_code)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return {"sent": len(codes), "seconds": round(time.perf_counter() - t0, 2),
+            "codes": {str(c): codes.count(c) for c in sorted(set(codes))}}
+
+
+def flood_process(url, key, body, total, concurrency, stop, out) -> None:
+    out.put(asyncio.run(_flood(url, key, body, total, concurrency, stop)))
+
+
+def run_flood(url: str, key: str, body: bytes, total: int, concurrency: int, until=None):
+    """A child process sending `total` bodies (then on until `until` is set) -> (process, result queue)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=flood_process, args=(url, key, body, total, concurrency, until, out), daemon=True)
+    proc.start()
+    return proc, out
+
+
+# --------------------------------------------------------------------------------------- the other tenant
+def chat_latencies(client, model: str, n: int = 0, until: threading.Event | None = None) -> list[float]:
+    """Latencies of chat requests one after another: `n` of them, or until `until` is set."""
+    out = []
+    while (n and len(out) < n) or (until is not None and not until.is_set()):
+        t0 = time.perf_counter()
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def during(client, model: str, flood, samples: int = 0) -> tuple[list[float], dict]:
+    """The other tenant's latencies while `flood` = (process, queue, stop event or None) runs."""
+    proc, out, stop = flood
+    done = threading.Event()
+    lat: list[float] = []
+    waiter = threading.Thread(target=lambda: (proc.join(), done.set()), daemon=True)
+    waiter.start()
+    time.sleep(0.5)  # the flood under way
+    if stop is None:
+        lat = chat_latencies(client, model, until=done)
+    else:
+        lat = chat_latencies(client, model, n=samples)
+        stop.set()
+    result = out.get(timeout=600)
+    proc.join()
+    return lat, result
+
+
+def median(xs: list[float]) -> float:
+    return round(statistics.median(xs), 4) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default="smollm2", choices=["smollm2", "quick", "toy"])
+    ap.add_argument("--flood", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--long", type=int, default=40)
+    ap.add_argument("--long-concurrency", type=int, default=4)
+    ap.add_argument("--probes", type=int, default=10)
+    ap.add_argument("--samples", type=int, default=30, help="the other tenant's requests per window")
+    args = ap.parse_args()
+
+    import httpx
+    import openai
+    import ray
+
+    root = Path(tempfile.mkdtemp(prefix="front-door-"))
+    url, model = start_app(args.recipe, root)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=OTHER, max_retries=0, timeout=120)
+    chat_latencies(client, model, n=5)  # warm: both replicas, the ingress has its prompt bound
+    report: dict = {"app": {"recipe": args.recipe, "llm_replicas": 2, "engine": "the demo model on CPU"}}
+
+    # 1. malformed bodies
+    quiet = chat_latencies(client, model, n=args.samples)
+    broken = b'{"model": "' + model.encode() + b'", "messages": ['
+    proc, out = run_flood(url + "/v1/chat/completions", FLOOD, broken, args.flood, args.concurrency)
+    lat, flood = during(client, model, (proc, out, None))
+    report["malformed"] = {"flood": flood, "other_median_s": [median(quiet), median(lat)],
+                           "ratio": round(median(lat) / median(quiet), 3), "other_requests_during": len(lat)}
+
+    # 2. long prompts
+    time.sleep(2.0)  # the flooding tenant's bench waited out
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * LONG_CHARS}]}).encode()
+    probes = []
+    with httpx.Client(timeout=60) as http:
+        for _ in range(args.probes):
+            t0 = time.perf_counter()
+            r = http.post(url + "/v1/chat/completions", content=body,
+                          headers={"Authorization": f"Bearer {PROBE}", "Content-Type": "application/json"})
+            probes.append(time.perf_counter() - t0)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    quiet = chat_latencies(client, model, n=args.samples)
+    stop = mp.get_context("spawn").Event()
+    proc, out = run_flood(url + "/v1/chat/completions", FLOOD, body, args.long, args.long_concurrency, stop)
+    lat, flood = during(client, model, (proc, out, stop), samples=args.samples)
+    report["long_prompt"] = {"bytes": len(body), "refused_s": {"median": median(probes), "max": round(max(probes), 4)},
+                             "flood": flood, "other_median_s": [median(quiet), median(lat)],
+                             "ratio": round(median(lat) / median(quiet), 3), "other_requests_during": len(lat)}
+    print(json.dumps(report))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
