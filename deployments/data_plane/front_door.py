@@ -23,7 +23,7 @@ from starlette.responses import Response
 from deployments.data_plane.errors import APIError, retry_after
 from deployments.data_plane.rate_limit import RateLimited, RateLimiter, RefusalHold
 
-__all__ = ["FrontDoor", "Caller", "tenant_of", "caller_of"]
+__all__ = ["FrontDoor", "Caller", "tenant_of", "caller_of", "tenant_let_in", "route_path"]
 
 GUARDED_PREFIX = "/v1/"  # the tenant routes; /health, /ready, /metrics, /docs and the control plane are not
 
@@ -52,6 +52,20 @@ def caller_of(scope) -> Optional[Caller]:
     return scope.get("state", {}).get("caller")
 
 
+def tenant_let_in(scope) -> str:
+    """The tenant of the caller the front door let in; a 401 where none was (a route it does not guard)."""
+    caller = caller_of(scope)
+    if caller is None:
+        raise APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+    return caller.tenant
+
+
+def route_path(scope) -> str:
+    """The path under the app's mount point (Serve's route_prefix arrives as root_path, and in path too)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class FrontDoor:
     """ASGI middleware: `answer(err) -> Response` renders a refusal (and counts it); `count_limited(scope)` counts
     a 429 by what limited it (metrics)."""
@@ -63,7 +77,7 @@ class FrontDoor:
         self.answer, self.count_limited, self.count_held = answer, count_limited, count_held
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith(GUARDED_PREFIX):
+        if scope["type"] != "http" or not route_path(scope).startswith(GUARDED_PREFIX):
             return await self.app(scope, receive, send)
         try:
             caller = await self._admit(scope)

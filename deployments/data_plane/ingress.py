@@ -16,6 +16,7 @@ from deployments.config import AppConfig
 from deployments.dependency_health import DependencyGauge, DependencyHealth, DependencyUnavailable
 from deployments.metrics import PlacementTiers, ServingMetrics
 from deployments.placement import PlacementReporter
+from deployments.data_plane.errors import APIError, error_response
 from deployments.data_plane.openai_api import IngressDeps, create_openai_app
 from deployments.data_plane.protocol import GenerateRequest, PromptBound, ReplicaUnavailable
 from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
@@ -132,7 +133,8 @@ def add_placement_route(app, reporter: PlacementReporter, admin_token: str, pref
     async def placement(request: Request) -> JSONResponse:
         auth = request.headers.get("authorization", "")
         if not hmac.compare_digest(auth.encode(), f"Bearer {admin_token}".encode()):
-            return JSONResponse({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
+            return error_response(APIError(401, "the admin token is needed: send 'Authorization: Bearer TOKEN'",
+                                           code="unauthorized", headers={"WWW-Authenticate": "Bearer"}))
         return JSONResponse(await reporter.refresh())
 
     app.add_api_route(f"{prefix}/v1/placement", placement, methods=["GET"], include_in_schema=False)
