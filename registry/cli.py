@@ -384,7 +384,17 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, RegistryError, OSError) as e:
         print(f"lora-registry: error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2, sort_keys=True))
+    return _print(json.dumps(result, indent=2, sort_keys=True))
+
+
+def _print(text: str) -> int:
+    """`text` on stdout -> 0; a reader that went away (`lora-registry list | head`) ends it quietly, as for `cat`."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit and would report the broken pipe there: point it at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe stopped
     return 0
 
 

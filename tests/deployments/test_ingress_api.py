@@ -412,3 +412,15 @@ def test_a_prompt_longer_than_the_replicas_bound_is_refused_at_the_ingress():
     assert len(llm.seen) == seen  # no replica saw them
     ok = client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "y" * bound.max_chars})
     assert ok.status_code == 200, ok.text  # at the bound: the replica's tokenizer decides
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinite_numbers_are_refused_as_not_finite(field, value):
+    client, llm, _ = make()
+    body = ('{"model": "tiny", "prompt": "x", "%s": %s}' % (field, value)).encode()  # as Python's json writes them
+    r = client.post("/v1/completions", headers={**H, "Content-Type": "application/json"}, content=body)
+    assert_openai_error(r, 400, "invalid_request")
+    err = r.json()["error"]
+    assert err["param"] == field and "finite number" in err["message"], err
+    assert llm.seen == []

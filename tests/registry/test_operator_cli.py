@@ -155,3 +155,20 @@ def test_init_example_writes_an_adapter_the_registry_accepts(cli_env, capsys, ti
     assert rec["rank"] == 4 and sorted(rec["target_modules"]) == ["q_proj", "v_proj"] and rec["status"] == "active"
     code, _, err = run(capsys, "init-example", str(tmp_path / "ex"), "--base-model", BASE)
     assert code == 1 and "not empty" in err
+
+
+def test_a_reader_that_goes_away_ends_the_cli_quietly(cli_env, capsys, tiny_base):
+    """`lora-registry list | head -1`: the reader closes the pipe before the CLI writes; no traceback."""
+    import sys
+    from pathlib import Path
+
+    assert run(capsys, "base-model", BASE, str(tiny_base))[0] == 0
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "registry.cli", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
+    proc.stdout.close()  # head has read its line and exited
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err
+    shell = subprocess.run(f"{sys.executable} -m registry.cli audit --limit 1000 | head -c 1", shell=True,
+                           capture_output=True, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=60)
+    assert shell.stdout == b"[" and b"Traceback" not in shell.stderr and b"BrokenPipe" not in shell.stderr
