@@ -382,3 +382,15 @@ def test_the_front_door_knows_the_caller_before_the_body_and_benches_only_the_fa
                                       "other_client_answered": len(answered)}))
     assert set(codes) <= {400, 429} and codes.count(429) > 0 and codes.count(400) < 20 + 16 + 20
     assert len(answered) == 10
+
+
+def test_a_prompt_past_the_replicas_bound_is_refused_by_the_ingress(serve_app):
+    """The ingress has asked a replica for its PromptBound (through the deployment handle) and refuses a 1.9 MB
+    prompt itself, naming the bound. (That no replica saw it is pinned in-process, test_ingress_api; how fast,
+    bench/front_door.py.)"""
+    body = json.dumps({"model": serve_app.base_name, "messages": [{"role": "user", "content": "x" * 1_900_000}]})
+    r = httpx.post(serve_app.base_url + "/v1/chat/completions", content=body.encode(), timeout=60,
+                   headers={"Authorization": f"Bearer {GLOBEX}", "Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages", r.text
+    assert "characters a token" in err["message"]
