@@ -100,8 +100,11 @@ class GcResult(BaseModel):
 
 
 class ErrorBody(BaseModel):
+    """OpenAI's error object, as the data plane answers it too."""
+
     message: str
     type: str
+    param: str | None = None
     code: str
 
 
@@ -112,10 +115,14 @@ class ErrorResponse(BaseModel):
 _MUTATIONS = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 
 
+# status -> OpenAI's error type, the data plane's vocabulary (deployments/data_plane/errors.py)
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
 def _error(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status,
-                        headers=headers)
+    kind = "server_error" if status >= 500 else _ERROR_TYPES.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers=headers)
 
 
 def _summary(state: AdapterState) -> AdapterSummary:
