@@ -424,3 +424,20 @@ def test_nan_and_infinite_numbers_are_refused_as_not_finite(field, value):
     err = r.json()["error"]
     assert err["param"] == field and "finite number" in err["message"], err
     assert llm.seen == []
+
+
+def test_the_bench_forgets_idle_callers_so_many_client_hosts_cannot_grow_it():
+    from deployments.data_plane import rate_limit
+
+    now = [0.0]
+    hold = RefusalHold(hold_s=5.0, after=2, clock=lambda: now[0])
+    for i in range(rate_limit.MAX_TRACKED_CALLERS):
+        hold.refused(f"t@10.0.{i // 256}.{i % 256}")
+    for _ in range(3):
+        hold.refused("t@busy")  # benched
+    now[0] = 0.5
+    hold.refused("t@one-more")  # counted while the others' second still runs: nothing to forget yet
+    assert len(hold._window) == rate_limit.MAX_TRACKED_CALLERS + 2  # noqa: SLF001
+    now[0] = 1.2
+    hold.refused("t@late")  # the others' second is over; busy's bench (5 s) runs on
+    assert set(hold._window) == {"t@one-more", "t@late"} and hold.benched("t@busy")  # noqa: SLF001
