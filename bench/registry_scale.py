@@ -31,8 +31,8 @@ import asyncio  # noqa: E402
 
 import httpx  # noqa: E402
 
-from deployments.openai_api import IngressDeps, create_openai_app  # noqa: E402
-from deployments.rate_limit import ColdLoadGate, RateLimiter  # noqa: E402
+from deployments.data_plane.openai_api import IngressDeps, create_openai_app  # noqa: E402
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter  # noqa: E402
 from registry import AdapterDisabled, AdapterNotFound, Registry, RegistrySettings, lifecycle  # noqa: E402
 from registry.api import create_app  # noqa: E402
 from registry.blob_store import LocalBlobStore  # noqa: E402

@@ -14,10 +14,10 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.bootstrap import bootstrap
 from deployments.config import AppConfig, load_config
-from deployments.ingress import OpenAIIngress
-from deployments.llm_deployment import LLMDeployment
+from deployments.data_plane.ingress import OpenAIIngress
+from deployments.replica.llm_deployment import LLMDeployment
 from deployments.placement import PlacementControllerDeployment
-from deployments.replica_resources import llm_replica_resources
+from deployments.replica.resources import llm_replica_resources
 from deployments.warm_start import launcher_command
 from router.ray_router import ROUTER_CLASS_PATH
 

@@ -49,7 +49,7 @@ class RateSpec(BaseModel):
 
 
 class RefusalHoldSpec(BaseModel):
-    """Benching a caller whose requests keep being refused (deployments.rate_limit.RefusalHold)."""
+    """Benching a caller whose requests keep being refused (deployments.data_plane.rate_limit.RefusalHold)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     hold_s: float = Field(1.0, ge=0, le=30, description="how long a benched caller's 429s are held, and its bench "

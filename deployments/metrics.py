@@ -29,7 +29,7 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _TPS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 
-# replica snapshot field (deployments.replica_report.ADAPTER_FIELDS: the engine's counters) -> (name, help, kind)
+# replica snapshot field (deployments.replica.report.ADAPTER_FIELDS: the engine's counters) -> (name, help, kind)
 _ADAPTER_SERIES = {
     "requests": ("loraserve_replica_adapter_requests_total", "Requests the replica's engine took for the adapter",
                  "counter"),

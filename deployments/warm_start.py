@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 # torch, the tokenizer's transformers classes, the deployment and what its constructor imports.
 PRELOAD_MODULES = (SERVE_REPLICA_MODULE, "torch", "transformers",
                    "transformers.tokenization_utils_tokenizers", "safetensors.torch", "engine_ext",
-                   "deployments.llm_deployment", "deployments.bootstrap", "registry", "demo")
+                   "deployments.replica.llm_deployment", "deployments.bootstrap", "registry", "demo")
 # BLAS and OpenMP pools start their threads when their library loads; the server must hold no thread when it
 # forks, and a forked replica sets its torch threads itself (torch.set_num_threads).
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}

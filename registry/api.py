@@ -24,7 +24,7 @@ from registry.errors import (AdapterNotFound, PermissionDenied, RegistryError, R
                              RegistryValidationError)
 from registry.records import AdapterRecord, AdapterState, AuditEntry, Visibility
 from registry.registry import Registry
-from registry.uploads import UploadArea, UploadStatus
+from registry.uploads import UploadArea, UploadAreaUsage, UploadStatus
 
 __all__ = ["create_app"]
 
@@ -90,7 +90,9 @@ class AdapterPage(BaseModel):
 class DeleteResult(BaseModel):
     name: str
     deleted_versions: list[int]
-    deleted_blobs: list[str]
+    deleted_blobs: list[str] = Field(description="sha256 of the blobs freed: those no other version uses")
+    dropped_copies: list[str] = Field(default_factory=list, description=(
+        "the control plane host's materialized copies removed (each replica removes its own on the change feed)"))
 
 
 class GcResult(BaseModel):
@@ -98,8 +100,11 @@ class GcResult(BaseModel):
 
 
 class ErrorBody(BaseModel):
+    """OpenAI's error object, as the data plane answers it too."""
+
     message: str
     type: str
+    param: str | None = None
     code: str
 
 
@@ -110,10 +115,14 @@ class ErrorResponse(BaseModel):
 _MUTATIONS = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 
 
+# status -> OpenAI's error type, the data plane's vocabulary (deployments/data_plane/errors.py)
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
 def _error(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status,
-                        headers=headers)
+    kind = "server_error" if status >= 500 else _ERROR_TYPES.get(status, "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers=headers)
 
 
 def _summary(state: AdapterState) -> AdapterSummary:
@@ -140,7 +149,7 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
     auth = TokenAuth(tokens_from_env() if tokens is None else tokens)
     Caller = Annotated[Principal, Depends(auth)]
     Name = Annotated[str, Path(description="adapter name")]
-    errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 413, 422, 503)}
+    errors = {k: {"model": ErrorResponse} for k in (400, 401, 403, 404, 409, 413, 422, 503, 507)}
     app = FastAPI(title="LoRA adapter registry", version="1", responses=errors, docs_url=None, redoc_url=None,
                   openapi_url=None)
     uploads = registry.uploads
@@ -157,8 +166,6 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
         fields = body if isinstance(body, dict) else {}
         name = request.path_params.get("name") or request.path_params.get("upload_id") or fields.get("name")
         name = name if isinstance(name, str) and name else "-"
-        if route.name == "register":  # a registration refused for its shape leaves no upload behind either
-            uploads.discard_source(fields.get("source_uri"))
         registry.audit_refusal(who.name, route.name, name, err)
 
     @app.exception_handler(RegistryError)
@@ -310,6 +317,12 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
                                      content_length)
         except ClientDisconnect:  # the part received so far stays, to resume; nobody reads this answer
             return Response(status_code=400)
+
+    @app.get("/v1/uploads", response_model=UploadAreaUsage)
+    def upload_area(p: Caller):
+        """The upload area: bytes held against its bound, and each session with its size and when it ends."""
+        _require_admin(p)
+        return uploads.usage()
 
     @app.get("/v1/uploads/{upload_id}", response_model=UploadStatus)
     def upload_status(upload_id: Annotated[str, Path(pattern=UploadArea.ID_PATTERN)], p: Caller):

@@ -56,8 +56,11 @@ class TokenAuth:
     def __call__(self, request: Request) -> Principal:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        if not header:
+            raise AuthError("missing bearer token: send 'Authorization: Bearer TOKEN'")
         if scheme.lower() != "bearer" or not token.strip():
-            raise AuthError("missing bearer token")
+            raise AuthError(f"expected a bearer token ('Authorization: Bearer TOKEN'), got {scheme[:20]!r} "
+                            f"credentials")
         return self._principal(token.strip().encode())
 
     def browser(self, request: Request) -> Principal:

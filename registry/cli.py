@@ -1,6 +1,6 @@
 """Operator CLI `lora-registry` of the adapter registry: push adapter directories (upload with a progress
 bar, resumable, then register), write an example adapter, list, show, promote, canary, rollback, disable,
-enable, retire, delete, collect garbage, read the audit log and register base models.
+enable, retire, delete, collect garbage, report the upload area, read the audit log and register base models.
 
 Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (the server root, e.g.
 http://host:8000, or the control plane's own root; token from --token or LORA_REGISTRY_TOKEN), else opens the
@@ -131,6 +131,9 @@ class HttpBackend:
     def gc(self) -> Any:
         return self._call("POST", "/v1/gc")
 
+    def uploads(self) -> Any:
+        return self._call("GET", "/v1/uploads")
+
     def audit(self, name: str | None, after: int, limit: int, order: str) -> Any:
         params = {"after_seq": after, "limit": limit, "order": order} | ({"name": name} if name else {})
         return self._call("GET", "/v1/audit", params=params)
@@ -194,6 +197,9 @@ class LocalBackend:
 
     def gc(self) -> Any:
         return {"deleted_blobs": self._reg.collect_garbage()}
+
+    def uploads(self) -> Any:
+        return self._reg.uploads.usage().model_dump(mode="json")
 
     def audit(self, name: str | None, after: int, limit: int, order: str) -> Any:
         entries = self._reg.audit(name, after, limit, newest_first=order == "newest")
@@ -317,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("--version", type=int)
     sp.add_argument("--force", action="store_true", help="even the active version")
-    sub.add_parser("gc", help="delete blobs no version references (older than BLOB_GC_GRACE_S)")
+    sub.add_parser("gc", help="delete blobs no version references (older than BLOB_GC_GRACE_S): what a crash left")
+    sub.add_parser("uploads", help="the upload area: bytes held against its bound, and each session")
     sp = sub.add_parser("audit", help="the audit log: every change and every refusal, newest first")
     sp.add_argument("--name", help="one adapter's entries")
     sp.add_argument("--after", type=int, default=0, help="entries after this revision")
@@ -352,6 +359,8 @@ def _dispatch(args, backend, settings: RegistrySettings) -> Any:
             return backend.delete(args.name, args.version, args.force)
         case "gc":
             return backend.gc()
+        case "uploads":
+            return backend.uploads()
         case "show":
             return backend.show(args.name)
         case "promote":
@@ -384,7 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, RegistryError, OSError) as e:
         print(f"lora-registry: error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2, sort_keys=True))
+    return _print(json.dumps(result, indent=2, sort_keys=True))
+
+
+def _print(text: str) -> int:
+    """`text` on stdout -> 0; a reader that went away (`lora-registry list | head`) ends it quietly, as for `cat`."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit and would report the broken pipe there: point it at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe stopped
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -59,7 +60,7 @@ class Registry:
         self._catalog: ServingCatalog | None = None
         self._catalog_lock = threading.Lock()
         self.uploads = UploadArea(settings.upload_dir, settings.max_files, settings.max_file_bytes,
-                                  settings.upload_ttl_s)
+                                  settings.upload_ttl_s, settings.max_upload_area_bytes)
 
     @classmethod
     def from_settings(cls, settings: RegistrySettings | None = None) -> "Registry":
@@ -141,7 +142,8 @@ class Registry:
         """Fetch and validate the files, store them, then record the version in one commit.
 
         Nothing is recorded before every check has passed, so a refusal leaves no adapter, no version and no
-        version number behind: only a `register_rejected` audit entry saying who tried what and why."""
+        version number behind: only a `register_rejected` audit entry saying who tried what and why. An upload
+        (`source_uri` in the upload area) is ended by the registration that succeeds, not by a refused one."""
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
             shown = repr(name)[:80]
             self._reject(shown, actor, source_uri, RegistryValidationError(
@@ -157,8 +159,17 @@ class Registry:
         existing = self.metadata.get_serving_state(name)
         if existing is not None and existing.owner_tenant != tenant:
             self._reject(name, actor, source_uri, PermissionDenied(f"adapter {name!r} belongs to another tenant"))
+        with tempfile.TemporaryDirectory(prefix="registry-stage-") as staging:
+            return self._register_staged(name, source_uri, sha256, base_model, Path(staging), tenant=tenant,
+                                         visibility=visibility, actor=actor, labels=labels, description=description,
+                                         activate=activate)
+
+    def _register_staged(self, name: str, source_uri: str, sha256: dict[str, str], base_model: str, staging: Path, *,
+                         tenant: str | None, visibility: Visibility, actor: str, labels: dict[str, str] | None,
+                         description: str, activate: bool) -> AdapterRecord:
+        """`register` with the source's files fetched into `staging`, which outlives the commit."""
         try:
-            validated, location = self._validate_and_store(base_model, source_uri, sha256)
+            validated, location, files = self._validate_and_store(base_model, source_uri, sha256, staging)
         except RegistryValidationError as e:
             self._reject(name, actor, source_uri, e)
         except RegistryError:
@@ -190,6 +201,8 @@ class Registry:
                 before=live.head() if live else None, after=after.head()))
 
         self.metadata.update(name, mutate)
+        self._keep_blobs(validated.files, files)
+        self.uploads.discard_source(source_uri)  # an upload it registered: its files are in the blob store now
         done = made["rec"]
         if activate:
             self.promote(name, done.version, actor=actor)
@@ -197,9 +210,8 @@ class Registry:
         return done
 
     def _reject(self, name: str, actor: str, source_uri: object, err: RegistryError, cause: Exception | None = None):
-        """Refuse a registration: remove the upload it named (if it was one), audit the refusal (no adapter state
-        is touched) and raise `err`."""
-        self.uploads.discard_source(source_uri)
+        """Refuse a registration: audit the refusal (no adapter state is touched) and raise `err`. An upload it named
+        stays, for the corrected registration to reuse (until its session's time to live)."""
         self.audit_refusal(actor, "register", name, err, {"source_uri": str(source_uri)[:300]})
         raise err from cause
 
@@ -214,21 +226,26 @@ class Registry:
                                                                         **(details or {})}))
         err.audited = True
 
-    def _validate_and_store(self, base_model: str, source_uri: str, sha256: dict[str, str]):
+    def _keep_blobs(self, entries: dict, files: dict[str, Path]) -> None:
+        """Put again any blob of a just committed version that a concurrent delete freed between its put and the
+        commit (the delete saw no record using it yet)."""
+        for fname, entry in entries.items():
+            if not self.blobs.exists(entry.sha256):
+                self.blobs.put(entry.sha256, files[fname])
+
+    def _validate_and_store(self, base_model: str, source_uri: str, sha256: dict[str, str], staging: Path):
         spec = self.metadata.get_base_model(base_model) if isinstance(base_model, str) else None
         if spec is None:
             raise RegistryValidationError(f"unknown base model {base_model!r}", code="unknown_base_model")
         if not isinstance(sha256, dict) or not all(isinstance(k, str) for k in sha256):
             raise RegistryValidationError("sha256 must map file names to hex digests", code="invalid_sha256")
-        with tempfile.TemporaryDirectory(prefix="registry-stage-") as tmp:
-            files = self._fetcher.fetch(source_uri, Path(tmp))
-            validated = validate_adapter(files, sha256, spec, self.settings.max_lora_rank,
-                                         self.settings.max_header_bytes)
-            # Only now, with every check passed, do the bytes reach the blob store. A blob whose record never
-            # commits is left to collect_garbage.
-            for fname, entry in validated.files.items():
-                self.blobs.put(entry.sha256, files[fname])
-        return validated, self.blobs.location
+        files = self._fetcher.fetch(source_uri, staging)
+        validated = validate_adapter(files, sha256, spec, self.settings.max_lora_rank, self.settings.max_header_bytes)
+        # Only now, with every check passed, do the bytes reach the blob store. A blob whose record never
+        # commits is left to collect_garbage.
+        for fname, entry in validated.files.items():
+            self.blobs.put(entry.sha256, files[fname])
+        return validated, self.blobs.location, files
 
     # -- deletion and garbage collection ----------------------------------------------------------------------
     def delete_version(self, name: str, version: int, *, force: bool = False, actor: str = "system") -> dict:
@@ -267,35 +284,63 @@ class Registry:
 
     def _delete(self, name: str, mutate: Callable[[AdapterState | None], Mutation], versions: list[int], actor: str,
                 action: str) -> dict:
+        """Commit the deletion, then free at once what only the deleted versions used: their blobs (no grace: a
+        registration of the same file in flight puts it again after it commits, `_keep_blobs`) and this host's
+        materialized copies (each replica drops its own when the change feed tells it)."""
         files: dict[int, set[str]] = {}
+        kept: set[int] = set()
 
         def capture(before: AdapterState | None) -> Mutation:
             mutation = mutate(before)
+            held = before.versions if before else {}
             files.clear()
-            files.update({v: {f.sha256 for f in r.files.values()} for v, r in (before.versions if before else {}).items()})
+            files.update({v: {f.sha256 for f in r.files.values()} for v, r in held.items()})
+            kept.clear()
+            kept.update(v for v in held if v not in versions)
             return mutation
 
         self._audited(actor, action, name, lambda: self.metadata.update(name, capture))
         candidates = set().union(*(files.get(v, set()) for v in versions))
-        return {"name": name, "deleted_versions": sorted(versions), "deleted_blobs": self.collect_garbage(candidates)}
+        return {"name": name, "deleted_versions": sorted(versions),
+                "deleted_blobs": self.collect_garbage(candidates, grace_s=0),
+                "dropped_copies": self.drop_materialized(name, keep=kept)}
 
     def collect_garbage(self, candidates: set[str] | None = None, grace_s: float | None = None) -> list[str]:
         """Delete blobs no version record references (all blobs, or only `candidates`) and not written within
         `grace_s`: a registration puts its blobs before committing its record, and re-putting an existing blob
-        refreshes its time, so the grace covers a registration in flight. -> the digests deleted."""
+        refreshes its time, so the grace covers a registration in flight. A delete frees its own blobs at once;
+        this is for what a crash left (a registration that never committed). -> the digests deleted."""
         grace = self.settings.blob_gc_grace_s if grace_s is None else grace_s
         pool = set(self.blobs.list()) if candidates is None else set(candidates)
         if not pool:
             return []
+        cutoff = self._clock() - grace  # taken before the references are read: a blob put after it stays
         referenced = {f.sha256 for rec in self.metadata.iter_records() for f in rec.files.values()}
         referenced |= {f.sha256 for spec in self.metadata.list_base_models() for f in spec.files.values()}
-        cutoff = self._clock() - grace
         gone = []
         for digest in sorted(pool - referenced):
             written = self.blobs.modified_at(digest)
             if written is not None and written <= cutoff:
                 self.blobs.delete(digest)
                 gone.append(digest)
+        return gone
+
+    def drop_materialized(self, name: str, keep: set[int] | frozenset[int] = frozenset()) -> list[str]:
+        """Remove this host's materialized copies of `name`'s versions not in `keep` (`materialize` writes them
+        under materialize_dir/NAME/vN). -> the directories removed."""
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            return []
+        root = Path(self.settings.materialize_dir) / name
+        gone = []
+        for d in sorted(root.iterdir()) if root.is_dir() else ():
+            number = d.name.lstrip(".").removeprefix("v").split("-", 1)[0]  # vN, or .vN-XXXX being written
+            if number.isdigit() and int(number) not in keep:
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(str(d))
+        try:
+            root.rmdir()  # only when nothing is left
+        except OSError:
+            pass
         return gone
 
     # -- lifecycle -----------------------------------------------------------------------------------------

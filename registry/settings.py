@@ -38,7 +38,11 @@ class RegistrySettings(BaseSettings):
         description="registration sources may be directories under these roots (comma-separated in env)")
     upload_dir: Path = Field(default_factory=lambda: default_cache_dir() / "registry" / "uploads",
                              description="where remote pushes stream their files; always an allowed source root")
-    upload_ttl_s: float = Field(default=86400.0, gt=0, description="uploads untouched this long are removed")
+    upload_ttl_s: float = Field(default=86400.0, gt=0, description=(
+        "an upload session not registered yet ends this long after its last file arrived (one that registers ends "
+        "then)"))
+    max_upload_area_bytes: int = Field(default=8 << 30, ge=1, description=(
+        "bytes the upload area holds at most, every session together: a file past it is refused (507)"))
     allowed_s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="registration sources may be s3://bucket/prefix/... under these")
     max_lora_rank: int = Field(default=64, ge=1)

@@ -44,7 +44,7 @@ def replica_state(replica: RunningReplica, queue_len: Optional[int], believed: f
 
 
 def request_fingerprint(pending_request: PendingRequest) -> Optional[str]:
-    """The prompt-prefix fingerprint the ingress put on the request (deployments.protocol.GenerateRequest, the
+    """The prompt-prefix fingerprint the ingress put on the request (deployments.data_plane.protocol.GenerateRequest, the
     handle call's one argument); None for a call without one."""
     args = pending_request.args
     return getattr(args[0], "prefix_fingerprint", None) if args else None

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import httpx
 import openai
 
-from deployments.protocol import GenerateRequest
+from deployments.data_plane.protocol import GenerateRequest
 
 KEYS = {"sk-kit-acme-00001": "acme", "sk-kit-globex-0001": "globex"}
 ACME, GLOBEX = list(KEYS)
@@ -28,6 +28,9 @@ class InProcessLLM:
     async def stream(self, req: GenerateRequest):
         async for chunk in self.server.generate(req):
             yield chunk
+
+    async def prompt_bound(self):
+        return self.server.prompts.bound
 
 
 @dataclass
@@ -66,9 +69,9 @@ def build(tmp, **deps_overrides) -> Kit:
     from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
     from deployments.config import load_config
     from deployments.engine_settings import engine_config
-    from deployments.llm_server import LLMServer
-    from deployments.openai_api import IngressDeps, create_openai_app
-    from deployments.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
+    from deployments.replica.llm_server import LLMServer
+    from deployments.data_plane.openai_api import IngressDeps, create_openai_app
+    from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
     from engine_ext import AsyncLLMEngine
     from registry import AdapterDisabled, AdapterNotFound
 

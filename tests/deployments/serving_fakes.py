@@ -6,6 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Optional
 
+from deployments.data_plane.protocol import PromptBound
+
 
 class NotFound(LookupError):
     pass
@@ -49,6 +51,10 @@ class FakeLLM:
     fail_with: Optional[dict] = None
     delay_s: float = 0.0
     load_s: float = 0.0  # before the first chunk, like a replica loading the adapter
+    bound: PromptBound = PromptBound(max_model_len=2048, chars_per_token=8)  # what it answers the ingress
+
+    async def prompt_bound(self) -> PromptBound:
+        return self.bound
 
     async def stream(self, req):
         self.seen.append(req)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from deployments.replica_adapters import AdapterBlocked, ReplicaAdapters
-from deployments.replica_placement import ReplicaPlacement
+from deployments.replica.adapters import AdapterBlocked, AdapterLoadFailed, ReplicaAdapters
+from deployments.replica.placement import ReplicaPlacement
 from router.placement import PlacementConfig
 
 
@@ -108,7 +108,9 @@ def test_failed_load_propagates_to_all_waiters_and_is_tried_again_later():
     async def scenario():
         adapters, engine, registry, _ = make(engine=Engine(fail={"a@1"}), registry=Registry(delay=0.02))
         results = await asyncio.gather(*(adapters.acquire("a@1") for _ in range(3)), return_exceptions=True)
-        assert all(isinstance(r, ValueError) for r in results) and engine.added == ["a@1"]
+        # the engine's refusal, typed as the replica's (a 503 adapter_load_failed to the client), to every waiter
+        assert all(isinstance(r, AdapterLoadFailed) and isinstance(r.__cause__, ValueError) for r in results)
+        assert engine.added == ["a@1"]
         engine.fail.clear()
         assert (await adapters.acquire("a@1"))[0] is False
         assert engine.added == ["a@1", "a@1"]

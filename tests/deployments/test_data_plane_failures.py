@@ -14,9 +14,9 @@ import pytest
 
 from deployments.dependency_health import DependencyHealth
 from deployments.metrics import ServingMetrics
-from deployments.openai_api import create_openai_app
-from deployments.protocol import ReplicaUnavailable
-from deployments.rate_limit import RateLimiter, RedisRateLimiter
+from deployments.data_plane.openai_api import create_openai_app
+from deployments.data_plane.protocol import ReplicaUnavailable
+from deployments.data_plane.rate_limit import RateLimiter, RedisRateLimiter
 from tests.deployments import data_plane_kit as K
 
 
@@ -216,7 +216,7 @@ def test_redis_outage_falls_back_to_local_buckets_with_one_log_line(kit, caplog)
 
 def test_a_client_that_goes_away_aborts_every_choice_in_the_engine(kit):
     """Closing the replica stream mid-generation (what Serve does when the client disconnects) frees the engine."""
-    from deployments.protocol import GenerateRequest
+    from deployments.data_plane.protocol import GenerateRequest
 
     async def go():
         req = GenerateRequest("abandoned", None, {"max_tokens": 200, "temperature": 1.0, "top_p": 1.0, "seed": 1,

@@ -11,15 +11,15 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from deployments.openai_api import IngressDeps, create_openai_app
-from deployments.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
+from deployments.data_plane.openai_api import IngressDeps, create_openai_app
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RefusalHold
 from serving_fakes import Disabled, FakeLLM, FakeResolver, NotFound, Rec
 
 KEY, OTHER = "sk-test-tenant-a", "sk-test-tenant-b"
 H = {"Authorization": f"Bearer {KEY}"}
 
 
-def make(llm=None, tenant_rate=(100, 100), adapter_rate=(100, 100)):
+def make(llm=None, tenant_rate=(100, 100), adapter_rate=(100, 100), hold=None):
     resolver = FakeResolver({
         "pub": Rec("pub", 3),
         "mine": Rec("mine", 1, owner_tenant="a", visibility="tenant"),
@@ -30,7 +30,7 @@ def make(llm=None, tenant_rate=(100, 100), adapter_rate=(100, 100)):
     llm = llm or FakeLLM()
     deps = IngressDeps(base_name="tiny", api_keys={KEY: "a", OTHER: "b"}, resolver=resolver, llm=llm,
                        limiter=RateLimiter(tenant_rate, adapter_rate), gate=ColdLoadGate(limit=2, wait_s=0.2),
-                       registry_errors=(NotFound, Disabled))
+                       registry_errors=(NotFound, Disabled), hold=hold or RefusalHold())
     return TestClient(create_openai_app(deps)), llm, deps
 
 
@@ -245,7 +245,7 @@ def test_cold_load_gate_caps_concurrent_requests_for_an_unloaded_adapter():
 
 
 def test_the_public_schema_lists_no_admin_route():
-    from deployments.ingress import add_placement_route
+    from deployments.data_plane.ingress import add_placement_route
 
     client, _, deps = make()
 
@@ -282,8 +282,8 @@ def test_malformed_requests_count_against_the_callers_rate_limit():
 
 
 def test_a_caller_refused_over_and_over_is_benched_before_its_body_is_read_and_others_are_not():
-    client, llm, deps = make(tenant_rate=(1000, 1000))  # no 429 from the rate limit here: only 400s
-    deps.hold = RefusalHold(hold_s=0.2, after=3, max_held=8)
+    # no 429 from the rate limit here: only 400s
+    client, llm, deps = make(tenant_rate=(1000, 1000), hold=RefusalHold(hold_s=0.2, after=3, max_held=8))
     metric = deps.metrics.registry.get_sample_value
     codes = [client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": 5}).status_code
              for _ in range(7)]
@@ -302,8 +302,7 @@ def test_a_caller_refused_over_and_over_is_benched_before_its_body_is_read_and_o
 
 
 def test_unknown_models_and_429s_count_towards_the_bench_a_401_does_not():
-    client, _, deps = make(tenant_rate=(0.001, 2))
-    deps.hold = RefusalHold(hold_s=0.05, after=3, max_held=8)
+    client, _, deps = make(tenant_rate=(0.001, 2), hold=RefusalHold(hold_s=0.05, after=3, max_held=8))
     statuses = [client.post("/v1/completions", headers=H, json={"model": "tiny:nope", "prompt": "x"}).status_code
                 for _ in range(2)]  # 404s, each taking a token
     statuses += [client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"}).status_code
@@ -349,3 +348,96 @@ def test_refusal_hold_holds_at_most_max_held_answers_at_once():
 
     held, left = asyncio.run(run())
     assert sorted(held) == [False, True, True] and left == 0
+
+
+BROKEN_JSON = b'{"model": "tiny", "messages": ['  # cut off: not JSON
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer sk-wrong-key-0000"}, {"Authorization": "Basic eDp5"}])
+def test_a_body_that_is_not_json_without_a_valid_key_is_401_not_400(headers):
+    client, llm, deps = make()
+    r = client.post("/v1/chat/completions", content=BROKEN_JSON, headers={**headers, "Content-Type": "application/json"})
+    assert_openai_error(r, 401, "invalid_api_key")
+    assert "Bearer" in r.json()["error"]["message"]
+    assert deps.metrics.registry.get_sample_value("loraserve_http_errors_total",
+                                                  {"status": "401", "code": "invalid_api_key"}) == 1
+
+
+def test_a_tenant_over_its_rate_gets_429_whatever_the_body():
+    client, _, _ = make(tenant_rate=(0.001, 2))
+    post = lambda: client.post("/v1/chat/completions", content=BROKEN_JSON,  # noqa: E731
+                               headers={**H, "Content-Type": "application/json"})
+    assert [post().status_code for _ in range(4)] == [400, 400, 429, 429]
+
+
+def test_bodies_that_are_not_json_count_towards_the_callers_bench():
+    client, llm, deps = make(tenant_rate=(1000, 1000), hold=RefusalHold(hold_s=0.2, after=3, max_held=8))
+    codes = [client.post("/v1/chat/completions", content=BROKEN_JSON,
+                         headers={**H, "Content-Type": "application/json"}).status_code for _ in range(6)]
+    assert codes == [400] * 4 + [429] * 2
+
+
+def test_the_bench_holds_the_failing_client_not_the_tenants_other_clients():
+    """The rule: a caller is (tenant, client host). One client of a key that keeps sending invalid bodies is
+    benched; another client on the same key, whose requests are valid, is served within the tenant's rate."""
+    # a bench of 5 s, its answers not held (max_held 0): the test takes no time
+    _, llm, deps = make(tenant_rate=(1000, 1000), hold=RefusalHold(hold_s=5, after=3, max_held=0))
+    app = create_openai_app(deps)
+    broken, good = TestClient(app, client=("10.0.0.1", 40000)), TestClient(app, client=("10.0.0.2", 40001))
+    codes = [broken.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": 5}).status_code
+             for _ in range(6)]
+    assert codes == [400] * 4 + [429] * 2
+    assert good.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"}).status_code == 200
+    # the same host on another port is the same client: still benched
+    again = TestClient(app, client=("10.0.0.1", 40002))
+    assert again.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"}).status_code == 429
+
+
+def test_a_prompt_longer_than_the_replicas_bound_is_refused_at_the_ingress():
+    client, llm, deps = make()
+    client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "x"})  # the bound asked of the replica
+    bound = deps.prompt_bound.value
+    assert bound == llm.bound and bound.max_chars == 2048 * 8
+    seen = len(llm.seen)
+    long_text = "y" * (bound.max_chars + 1)
+    for path, body, param in [
+        ("/v1/completions", {"model": "tiny", "prompt": long_text}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": ["short", long_text]}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": [3] * bound.max_model_len}, "prompt"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": long_text}]}, "messages"),
+    ]:
+        r = client.post(path, headers=H, json=body)
+        assert_openai_error(r, 400, "context_length_exceeded")
+        assert r.json()["error"]["param"] == param
+    assert len(llm.seen) == seen  # no replica saw them
+    ok = client.post("/v1/completions", headers=H, json={"model": "tiny", "prompt": "y" * bound.max_chars})
+    assert ok.status_code == 200, ok.text  # at the bound: the replica's tokenizer decides
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinite_numbers_are_refused_as_not_finite(field, value):
+    client, llm, _ = make()
+    body = ('{"model": "tiny", "prompt": "x", "%s": %s}' % (field, value)).encode()  # as Python's json writes them
+    r = client.post("/v1/completions", headers={**H, "Content-Type": "application/json"}, content=body)
+    assert_openai_error(r, 400, "invalid_request")
+    err = r.json()["error"]
+    assert err["param"] == field and "finite number" in err["message"], err
+    assert llm.seen == []
+
+
+def test_the_bench_forgets_idle_callers_so_many_client_hosts_cannot_grow_it():
+    from deployments.data_plane import rate_limit
+
+    now = [0.0]
+    hold = RefusalHold(hold_s=5.0, after=2, clock=lambda: now[0])
+    for i in range(rate_limit.MAX_TRACKED_CALLERS):
+        hold.refused(f"t@10.0.{i // 256}.{i % 256}")
+    for _ in range(3):
+        hold.refused("t@busy")  # benched
+    now[0] = 0.5
+    hold.refused("t@one-more")  # counted while the others' second still runs: nothing to forget yet
+    assert len(hold._window) == rate_limit.MAX_TRACKED_CALLERS + 2  # noqa: SLF001
+    now[0] = 1.2
+    hold.refused("t@late")  # the others' second is over; busy's bench (5 s) runs on
+    assert set(hold._window) == {"t@one-more", "t@late"} and hold.benched("t@busy")  # noqa: SLF001

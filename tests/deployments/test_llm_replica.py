@@ -11,8 +11,8 @@ import pytest
 from deployments.bootstrap import sha256_of_dir, bootstrap, demo_paths, make_registry
 from deployments.config import load_config
 from deployments.engine_settings import engine_config
-from deployments.llm_server import LLMServer
-from deployments.protocol import GenerateRequest
+from deployments.replica.llm_server import LLMServer
+from deployments.data_plane.protocol import GenerateRequest
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}
 

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from deployments.rate_limit import ColdLoadGate, RateLimited, RateLimiter, TokenBucket
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimited, RateLimiter, TokenBucket
 
 
 class Clock:

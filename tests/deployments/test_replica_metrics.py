@@ -78,7 +78,7 @@ def test_placement_controller_relays_the_reports_of_live_replicas():
 
 
 def test_prefix_cache_counters_go_from_the_engine_stats_to_the_series():
-    from deployments.replica_report import replica_report
+    from deployments.replica.report import replica_report
 
     stats = {"num_running": 1, "num_waiting": 0, "free_kv_blocks": 10, "device_adapters": ["pub@1"],
              "adapters": {"pub@1": {"requests": 3, "tokens": 9}},

@@ -14,9 +14,9 @@ import pytest
 from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
 from deployments.config import load_config
 from deployments.engine_settings import engine_config
-from deployments.llm_server import LLMServer
-from deployments.protocol import GenerateRequest
-from deployments.replica_placement import ReplicaPlacement
+from deployments.replica.llm_server import LLMServer
+from deployments.data_plane.protocol import GenerateRequest
+from deployments.replica.placement import ReplicaPlacement
 from router.placement import PlacementConfig
 
 GREEDY = {"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": []}

@@ -71,8 +71,8 @@ def test_base_model_comes_from_the_registry_not_a_volume(containers):
 
 
 def test_probes_use_the_ingress_health_route(containers):
-    source = (REPO / "deployments" / "openai_api.py").read_text()
-    assert '@app.get("/health")' in source
+    source = (REPO / "deployments" / "data_plane" / "openai_routes.py").read_text()
+    assert 'r.add_api_route("/health", self.health, methods=["GET"])' in source
     _, cfg = serve_config()
     port = cfg["http_options"]["port"]
     for name, c in containers.items():

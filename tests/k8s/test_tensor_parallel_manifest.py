@@ -39,7 +39,7 @@ def test_the_applied_overlay_is_a_valid_rayservice(tmp_path):
 
 def test_a_replicas_placement_group_fits_one_pod():
     from deployments.config import AppConfig
-    from deployments.replica_resources import llm_replica_resources
+    from deployments.replica.resources import llm_replica_resources
 
     doc = applied()
     args = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"]

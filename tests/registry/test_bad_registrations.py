@@ -255,8 +255,8 @@ def _upload(client, upload_id: str, src: Path) -> str:
     return client.get(f"/v1/uploads/{upload_id}", headers=ADMIN).json()["source_uri"]
 
 
-def test_thirty_refusals_of_every_kind_leave_no_upload_no_record_and_an_audit_entry_each(client_and_reg, stage,
-                                                                                        incoming_root, tiny_base):
+def test_thirty_refusals_of_every_kind_leave_no_record_no_blob_the_uploads_to_retry_and_an_audit_entry_each(
+        client_and_reg, stage, incoming_root, tiny_base):
     client, reg = client_and_reg
     uploads = Path(reg.settings.upload_dir)
     states, refused = reg.list_states(), []
@@ -293,7 +293,11 @@ def test_thirty_refusals_of_every_kind_leave_no_upload_no_record_and_an_audit_en
     assert len(refused) >= 30
     assert all(400 <= status < 500 for _, status, _, _, _ in refused), refused
     assert [status for case, status, _, _, _ in refused if case.startswith("upload_too_large")] == [413]
-    assert not [p for p in uploads.iterdir()] if uploads.exists() else True  # no upload folder left
+    # a refused registration leaves its upload session for the corrected one; a refused file leaves nothing of
+    # itself (too-many-01 keeps the files it took before the one too many)
+    sessions = [f"refused-{i:03d}" for i in range(len(UPLOADED))] + [f"schema-{i:03d}" for i in range(len(SCHEMA_CASES))]
+    assert sorted(p.name for p in uploads.iterdir()) == sorted(sessions + ["too-many-01"])
+    assert not [p for p in uploads.rglob(".*.part")]
     assert reg.list_states() == states and reg.blobs.list() == []  # no record, no blob
     audit = reg.audit(limit=1000)  # oldest first
     rejected = [(e.name, e.action, e.details["code"]) for e in audit if e.action.endswith("_rejected")]

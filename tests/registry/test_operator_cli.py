@@ -140,7 +140,7 @@ def test_help_names_every_command_and_says_what_each_does():
     assert "register base models." in text  # the whole description, not its first line cut off
     (sub,) = [a for a in parser._actions if a.dest == "command"]  # noqa: SLF001 - argparse keeps them there
     helps = {c.dest: c.help for c in sub._choices_actions}  # noqa: SLF001
-    assert set(helps) == set(sub.choices) and len(helps) == 14 and all(helps.values()), helps
+    assert set(helps) == set(sub.choices) and len(helps) == 15 and all(helps.values()), helps
     for name in sub.choices:
         assert name in text
 
@@ -155,3 +155,32 @@ def test_init_example_writes_an_adapter_the_registry_accepts(cli_env, capsys, ti
     assert rec["rank"] == 4 and sorted(rec["target_modules"]) == ["q_proj", "v_proj"] and rec["status"] == "active"
     code, _, err = run(capsys, "init-example", str(tmp_path / "ex"), "--base-model", BASE)
     assert code == 1 and "not empty" in err
+
+
+def test_a_reader_that_goes_away_ends_the_cli_quietly(cli_env, capsys, tiny_base):
+    """`lora-registry list | head -1`: the reader closes the pipe before the CLI writes; no traceback."""
+    import sys
+    from pathlib import Path
+
+    assert run(capsys, "base-model", BASE, str(tiny_base))[0] == 0
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "registry.cli", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
+    proc.stdout.close()  # head has read its line and exited
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err
+    shell = subprocess.run(f"{sys.executable} -m registry.cli audit --limit 1000 | head -c 1", shell=True,
+                           capture_output=True, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=60)
+    assert shell.stdout == b"[" and b"Traceback" not in shell.stderr and b"BrokenPipe" not in shell.stderr
+
+
+def test_uploads_reports_the_upload_area(cli_env, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("UPLOAD_DIR", str(tmp_path / "uploads"))
+    monkeypatch.setenv("MAX_UPLOAD_AREA_BYTES", "4096")
+    session = tmp_path / "uploads" / "half-done-01"
+    session.mkdir(parents=True)
+    (session / "adapter_config.json").write_text("{}")
+    code, usage, err = run(capsys, "uploads")
+    assert code == 0, err
+    assert usage["bytes"] == 2 and usage["max_bytes"] == 4096 and usage["ttl_s"] == 86400
+    assert [(s["upload_id"], s["files"]) for s in usage["sessions"]] == [("half-done-01", 1)]

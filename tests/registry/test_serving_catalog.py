@@ -8,8 +8,8 @@ import time
 
 from fastapi.testclient import TestClient
 
-from deployments.openai_api import IngressDeps, create_openai_app
-from deployments.rate_limit import ColdLoadGate, RateLimiter
+from deployments.data_plane.openai_api import IngressDeps, create_openai_app
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter
 from registry import AdapterDisabled, AdapterNotFound, Registry
 from tests.registry.adapter_kit import BASE, sha_map
 

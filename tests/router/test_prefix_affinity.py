@@ -7,7 +7,7 @@ import asyncio
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from deployments.protocol import GenerateRequest
+from deployments.data_plane.protocol import GenerateRequest
 from router.policy import AffinityConfig, ReplicaState, rank_for_adapter
 from router.prefixes import PREFIX_CHARS, PREFIX_IDS, PrefixMemory, prefix_fingerprint
 from router.ray_router import request_fingerprint

@@ -28,8 +28,8 @@ from bench.decode import build_engine, build_model_on_gpu, engine_mode  # noqa: 
 from deployments.bootstrap import bootstrap, make_registry, sha256_of_dir  # noqa: E402
 from deployments.config import load_config  # noqa: E402
 from deployments.engine_settings import engine_config  # noqa: E402
-from deployments.llm_server import LLMServer  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
+from deployments.replica.llm_server import LLMServer  # noqa: E402
+from deployments.data_plane.protocol import GenerateRequest  # noqa: E402
 from engine_ext import AsyncLLMEngine, SpecConfig  # noqa: E402
 
 SHAPE, RANK, BATCH, PROMPT, GEN = "llama-3.2-1b", 16, 32, 64, 256

@@ -1,7 +1,8 @@
 """What a replica does when the registry or the placement plan changes, off the request path.
 
-- Change feed (promote, rollback, canary, disable of one adapter): withdraw versions no longer served, refuse
-  a disabled adapter, and load the version about to take traffic where an older one was resident.
+- Change feed (promote, rollback, canary, disable, delete of one adapter): withdraw versions no longer served,
+  refuse a disabled adapter, load the version about to take traffic where an older one was resident, and remove
+  this host's materialized copies of deleted versions.
 - Placement (each period, from the controller's plan): load the active version of every pinned and warm
   family homed here (pinned ones also into a device slot, by a one-token request the scheduler batches like
   any other, and pinned in the engine), and unpin what left the pinned tier.
@@ -19,9 +20,9 @@ from typing import Any, Awaitable, Callable
 
 from deployments.dependency_health import DependencyHealth
 from deployments.registry_view import METADATA, dependency_name
-from deployments.replica_adapters import ReplicaAdapters
-from deployments.replica_placement import ReplicaPlacement
-from deployments.replica_report import EngineStatsReader
+from deployments.replica.adapters import ReplicaAdapters
+from deployments.replica.placement import ReplicaPlacement
+from deployments.replica.report import EngineStatsReader
 from router.keys import AdapterKey
 from router.placement import TIER_PINNED
 
@@ -68,7 +69,7 @@ class ReplicaSync:
 
     # ------------------------------------------------------------------ change feed
     async def apply_change(self, name: str, attempts: int = 300) -> None:
-        """Promote/rollback/canary/disable of `name`; retried every `change_retry_s` while the registry is out
+        """Promote/rollback/canary/disable/delete of `name`; retried every `change_retry_s` while the registry is out
         of reach (up to `attempts` times)."""
         from registry import RegistryUnavailable
 
@@ -80,7 +81,11 @@ class ReplicaSync:
                 await asyncio.sleep(self._change_retry_s)
         else:
             return
+        # the files of versions that are gone leave this host's disk at once (the engine holds what it loaded)
+        await asyncio.to_thread(self.registry.drop_materialized, name, set(state.versions) if state else set())
         if state is None:
+            self.adapters.retire(name)
+            self._publish()
             return
         if state.disabled:
             self.adapters.block(name)

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from deployments.protocol import GenerateRequest
+from deployments.data_plane.protocol import GenerateRequest, PromptBound
 
-__all__ = ["Refused", "PromptShaper", "too_long"]
+__all__ = ["Refused", "PromptShaper", "too_long", "measure_bound"]
+
+# A tokenizer with a normalizer may merge characters before it splits text into tokens (NFC composes a letter and
+# its accents): its bound allows this many characters of input for each character a token stands for.
+NORMALIZER_SLACK = 4
 
 
 class Refused(Exception):
@@ -34,28 +38,37 @@ def too_long(req: GenerateRequest, max_len: int, prompt_len: int, wanted: int, p
                    f"Please reduce the length of the messages or completion.", param or prompt_param(req))
 
 
+def measure_bound(tokenizer: Any, max_model_len: int) -> PromptBound:
+    """The bound of `tokenizer`: its longest token in characters (a byte-level token's string has one character
+    a byte, never fewer than the text it stands for), times NORMALIZER_SLACK when a normalizer runs first."""
+    if tokenizer is None:  # token ids only: one id a token
+        return PromptBound(max_model_len, 1)
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    slack = 1 if backend is not None and backend.normalizer is None else NORMALIZER_SLACK
+    return PromptBound(max_model_len, max(1, longest) * slack)
+
+
 class PromptShaper:
     """Turns a `GenerateRequest` into (token ids, SamplingParams) per choice for an engine with this tokenizer
     and context length."""
 
     def __init__(self, tokenizer: Any, max_model_len: int):
         self.tokenizer, self.max_len = tokenizer, max_model_len
-        # No token decodes to more than `longest` characters, so a prompt of more than max_len * longest
-        # characters cannot fit (x4 for normalizers that merge characters): refused before tokenizing it.
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
-        self.max_chars = 4 * max(1, longest) * max_model_len
+        self.bound = measure_bound(tokenizer, max_model_len)
 
-    def _check_chars(self, req: GenerateRequest, n: int) -> None:
-        if n > self.max_chars:
-            raise Refused("context_length_exceeded", f"the prompt has {n} characters: more than this model's "
-                          f"maximum context length of {self.max_len} tokens can hold", prompt_param(req))
+    @property
+    def max_chars(self) -> int:
+        return self.bound.max_chars
 
     def tokenize(self, req: GenerateRequest) -> list[list[int]]:
         """Each prompt's token ids; run it off the event loop. Raises Refused before tokenizing a prompt whose
-        length alone shows it cannot fit."""
+        length alone shows it cannot fit (the ingress checks the same bound first)."""
         tok = self.tokenizer
+        why = self.bound.refusal(req)
+        if why is not None:
+            raise Refused("context_length_exceeded", why, prompt_param(req))
         if req.messages is not None:
-            self._check_chars(req, sum(len(m.get("content") or "") for m in req.messages))
             ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)
             if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
                 ids = ids["input_ids"]
@@ -65,7 +78,6 @@ class PromptShaper:
             if isinstance(prompt, str):
                 if tok is None:
                     raise Refused("invalid_request", "this model has no tokenizer: send token ids", "prompt")
-                self._check_chars(req, len(prompt))
                 out.append([int(t) for t in tok(prompt)["input_ids"]])
             else:
                 out.append([int(t) for t in prompt])
@@ -87,7 +99,7 @@ class PromptShaper:
         return SamplingParams(**sampling)
 
     def logprob_entries(self, out) -> Optional[list]:
-        """[token text, logprob, [[text, logprob], ...]] per new token of `out` (deployments.protocol)."""
+        """[token text, logprob, [[text, logprob], ...]] per new token of `out` (deployments.data_plane.protocol)."""
         if out.new_logprobs is None:
             return None
         tok = self.tokenizer

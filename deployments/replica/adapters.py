@@ -17,14 +17,19 @@ import asyncio
 import time
 from typing import Any, Callable, Optional
 
-from deployments.replica_placement import ReplicaPlacement
+from deployments.replica.placement import ReplicaPlacement
 from router.keys import AdapterKey
 
-__all__ = ["ReplicaAdapters", "AdapterBlocked"]
+__all__ = ["ReplicaAdapters", "AdapterBlocked", "AdapterLoadFailed"]
 
 
 class AdapterBlocked(Exception):
     """The adapter was disabled after the ingress resolved it."""
+
+
+class AdapterLoadFailed(Exception):
+    """The adapter's files could not be made servable here (a corrupt blob, a version the registry no longer has, a
+    file the engine refused): the service's fault, not the request's."""
 
 
 class ReplicaAdapters:
@@ -40,7 +45,7 @@ class ReplicaAdapters:
     async def acquire(self, key: str, record: Any = None) -> tuple[bool, float]:
         """Make `key` servable -> (hit: it was in host memory, seconds spent loading it). `record`: the
         registry's record of the version, as the ingress resolved it (else it is read from the registry).
-        Raises AdapterBlocked, the registry's refusal (RegistryError) or the engine's (AdapterError)."""
+        Raises AdapterBlocked, RegistryUnavailable (a store out of reach) or AdapterLoadFailed."""
         self._check(key)
         hit = key in self._engine.host_adapters()
         if self._engine.has_adapter(key):  # registered: the engine re-reads an evicted one by itself
@@ -77,7 +82,17 @@ class ReplicaAdapters:
         return self._clock() - start
 
     async def _load(self, key: AdapterKey, record: Any) -> None:
-        """Registry record -> sha256-verified local copy -> engine."""
+        """Registry record -> sha256-verified local copy -> engine; what fails but an outage is AdapterLoadFailed."""
+        from registry import RegistryError, RegistryUnavailable
+
+        try:
+            await self._load_files(key, record)
+        except RegistryUnavailable:
+            raise
+        except (RegistryError, LookupError, ValueError) as e:
+            raise AdapterLoadFailed(f"adapter {key} could not be loaded: {e}") from e
+
+    async def _load_files(self, key: AdapterKey, record: Any) -> None:
         if record is None or (record.name, record.version) != (key.name, key.version):
             state = await asyncio.to_thread(self._registry.get, key.name)
             record = state.versions.get(key.version)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationInfo, WrapValidator, field_validator,
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationInfo, WrapValidator, field_validator,
                       model_validator)
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "ModelRef", "parse_model", "NAME_PATTERN",
@@ -54,7 +54,8 @@ def _unicode(v: str) -> str:
 
 Text = Annotated[str, Strict(), AfterValidator(_unicode)]
 Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]  # ints are accepted, bools are not
+# ints are accepted, bools are not; NaN and infinities (which Python's JSON reader takes) are not numbers here
+Float = Annotated[float, Strict(), AllowInfNan(False)]
 Bool = Annotated[bool, Strict()]
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 # torch.Generator.manual_seed's range

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from router.prefixes import prefix_fingerprint
 
-__all__ = ["GenerateRequest", "ReplicaUnavailable", "error_chunk"]
+__all__ = ["GenerateRequest", "PromptBound", "ReplicaUnavailable", "error_chunk"]
 
 
 class ReplicaUnavailable(Exception):
@@ -61,6 +61,47 @@ class GenerateRequest:
     @property
     def num_choices(self) -> int:
         return max(1, len(self.inputs())) * self.n
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """The longest prompt a replica could take, as the ingress can check it without a tokenizer: no token of the
+    replica's tokenizer stands for more than `chars_per_token` characters of text, so a prompt of more than
+    `max_model_len * chars_per_token` characters needs more tokens than the context holds. The replica measures
+    it from its tokenizer (`deployments.replica.prompts.measure_bound`); the ingress asks a replica for it once."""
+
+    max_model_len: int  # tokens of context: the prompt's and the completion's
+    chars_per_token: int  # the most characters of text one token stands for
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.chars_per_token
+
+    def refusal(self, req: GenerateRequest) -> Optional[str]:
+        """Why `req`'s prompt cannot fit, or None when its length alone does not show it."""
+        return self.refusal_of(messages=req.messages, prompts=req.inputs())
+
+    def refusal_of(self, messages: Optional[list[dict]] = None, prompt: Optional[str] = None,
+                   prompt_token_ids: Optional[list[int]] = None, prompts: Optional[list] = None) -> Optional[str]:
+        """`refusal` of a request's prompt fields (GenerateRequest's names)."""
+        if messages is not None:
+            return self._too_many_chars(sum(len(m.get("content") or "") for m in messages))
+        for one in prompts or [prompt if prompt is not None else prompt_token_ids]:
+            why = self._too_many_chars(len(one)) if isinstance(one, str) else self._too_many_ids(len(one))
+            if why is not None:
+                return why
+        return None
+
+    def _too_many_ids(self, ids: int) -> Optional[str]:
+        if ids < self.max_model_len:  # the engine needs room for one completion token
+            return None
+        return f"the prompt has {ids} tokens: this model's maximum context length is {self.max_model_len} tokens"
+
+    def _too_many_chars(self, chars: int) -> Optional[str]:
+        if chars <= self.max_chars:
+            return None
+        return (f"the prompt has {chars} characters: more than this model's maximum context length of "
+                f"{self.max_model_len} tokens can hold (at most {self.chars_per_token} characters a token)")
 
 
 def error_chunk(status: int, code: str, message: str, param: Optional[str] = None,

@@ -1,9 +1,9 @@
 """One LLM replica: a request in, the engine's tokens out, and the parts that keep the replica current.
 
 `LLMServer` is a plain class (engine and registry injected, so tests build it without Ray);
-`deployments.llm_deployment` wraps it as the Serve deployment `LLMServer`. Its parts, each in its module:
-which adapters it offers (`replica_adapters`), prompts and sampling per choice (`replica_prompts`), the
-change feed and the placement plan (`replica_sync`), and what it reports (`replica_report`: the engine's
+`deployments.replica.llm_deployment` wraps it as the Serve deployment `LLMServer`. Its parts, each in its module:
+which adapters it offers (`adapters`), prompts and sampling per choice (`prompts`), the
+change feed and the placement plan (`sync`), and what it reports (`report`: the engine's
 stats, the one counter set).
 """
 
@@ -16,14 +16,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from deployments.config import AppConfig
 from deployments.dependency_health import DependencyHealth
-from deployments.engine_streams import merge_streams
-from deployments.protocol import GenerateRequest, error_chunk
+from deployments.replica.engine_streams import merge_streams
+from deployments.data_plane.protocol import GenerateRequest
 from deployments.registry_view import BLOBS, dependency_name
-from deployments.replica_adapters import AdapterBlocked, ReplicaAdapters
-from deployments.replica_placement import ReplicaPlacement
-from deployments.replica_prompts import PromptShaper, Refused, prompt_param
-from deployments.replica_report import EngineStatsReader, replica_report
-from deployments.replica_sync import ReplicaSync
+from deployments.replica.adapters import AdapterBlocked, AdapterLoadFailed, ReplicaAdapters
+from deployments.replica.errors import error_chunk_of
+from deployments.replica.placement import ReplicaPlacement
+from deployments.replica.prompts import PromptShaper
+from deployments.replica.report import EngineStatsReader, replica_report
+from deployments.replica.sync import ReplicaSync
 
 __all__ = ["LLMServer"]
 
@@ -91,7 +92,7 @@ class LLMServer:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
-        from registry import RegistryError, RegistryUnavailable
+        from registry import RegistryUnavailable
 
         started_at = self._clock()
         self._ongoing += 1
@@ -100,16 +101,9 @@ class LLMServer:
             if req.adapter_key is not None:
                 try:
                     hit, load_s = await self.adapters.acquire(req.adapter_key, req.adapter_record)
-                except AdapterBlocked as e:
-                    yield error_chunk(403, "model_disabled", str(e))
-                    return
-                except RegistryUnavailable as e:  # the blob store (or the registry) is out of reach
-                    self.health.failed(dependency_name(e), e)
-                    yield error_chunk(503, "service_unavailable", str(e), retry_after_s=e.retry_after_s)
-                    return
-                except (RegistryError, LookupError, ValueError) as e:  # a corrupt blob, a file the engine refused
-                    logger.warning("loading adapter %s failed: %s", req.adapter_key, e)
-                    yield error_chunk(503, "adapter_load_failed", f"adapter could not be loaded: {e}")
+                except (AdapterBlocked, AdapterLoadFailed, RegistryUnavailable) as e:
+                    self._count_failure(req, e)
+                    yield error_chunk_of(e, req)
                     return
                 self.placement.note_request(req.adapter_key)
                 if load_s:
@@ -121,17 +115,21 @@ class LLMServer:
         finally:
             self._ongoing -= 1
 
-    async def _run_engine(self, req: GenerateRequest, started_at: float, hit: Optional[bool]) -> AsyncIterator[dict]:
-        from jinja2 import TemplateError
+    def _count_failure(self, req: GenerateRequest, err: Exception) -> None:
+        """An adapter that could not be made servable: the store out of reach, or its files refused."""
+        from registry import RegistryUnavailable
 
+        if isinstance(err, RegistryUnavailable):  # the blob store (or the registry) is out of reach
+            self.health.failed(dependency_name(err), err)
+        elif isinstance(err, AdapterLoadFailed):
+            logger.warning("loading adapter %s failed: %s", req.adapter_key, err)
+
+    async def _run_engine(self, req: GenerateRequest, started_at: float, hit: Optional[bool]) -> AsyncIterator[dict]:
         try:
             prompts = await asyncio.to_thread(self.prompts.tokenize, req)
             choices = [(ids, self.prompts.params(req, len(ids), j)) for ids in prompts for j in range(req.n)]
-        except Refused as e:
-            yield error_chunk(400, e.code, str(e), e.param)
-            return
-        except (ValueError, TemplateError) as e:  # a parameter the engine cannot take, a chat template that fails
-            yield error_chunk(400, "invalid_request", str(e))
+        except Exception as e:  # noqa: BLE001 - the table says which are the request's fault; the rest re-raise
+            yield error_chunk_of(e, req)
             return
         rid = req.request_id
         ids_of = (lambda i: rid) if len(choices) == 1 else (lambda i: f"{rid}/{i}")  # noqa: E731
@@ -144,7 +142,7 @@ class LLMServer:
         failed = next((e for e in firsts if isinstance(e, BaseException)), None)
         if failed is not None:
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
-            yield self._refusal(req, failed)
+            yield error_chunk_of(failed, req)  # a request the engine refused when it was added; else a fault
             return
         yield {"type": "start", "replica": self.replica_id, "adapter_hit": hit, "started_at": started_at,
                "prompt_tokens": sum(len(ids) for ids in prompts), "num_running": self.stats.latest.get("num_running")}
@@ -162,19 +160,6 @@ class LLMServer:
         yield {"type": "end", "finish_reason": finish[0], "completion_tokens": sum(tokens.values()),
                "finish_reasons": finish, "choice_tokens": tokens, "prompt_tokens": sum(len(ids) for ids in prompts),
                "snapshot": self.snapshot(req.adapter_key)}
-
-    @staticmethod
-    def _refusal(req: GenerateRequest, failed: BaseException) -> dict:
-        """The error chunk of a request the engine refused when it was added; anything else is a fault."""
-        from engine_ext import PromptTooLongError, RequestRefused
-
-        if isinstance(failed, PromptTooLongError):
-            return error_chunk(400, "context_length_exceeded", str(failed), prompt_param(req))
-        if isinstance(failed, RequestRefused):
-            return error_chunk(400, "invalid_request", str(failed), failed.param)
-        if isinstance(failed, ValueError):
-            return error_chunk(400, "invalid_request", str(failed))
-        raise failed
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, key: Optional[str]) -> dict[str, Any]:

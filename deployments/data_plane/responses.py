@@ -24,7 +24,7 @@ def _envelope(kind: str, rid: str, model: str, choices: list, created: Optional[
     return {"id": rid, "object": kind, "created": created or int(time.time()), "model": model, "choices": choices}
 
 
-# Logprob entries as replicas send them (deployments.protocol): [token text, logprob, [[text, logprob], ...]].
+# Logprob entries as replicas send them (deployments.data_plane.protocol): [token text, logprob, [[text, logprob], ...]].
 def chat_logprobs(entries: list) -> dict[str, Any]:
     def item(text: str, lp: float) -> dict[str, Any]:
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["APIError", "BodyLimit", "error_body", "error_response", "retry_after", "status_type"]
+__all__ = ["APIError", "BodyLimit", "chunk_error", "error_body", "error_response", "retry_after", "status_type"]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -16,6 +16,7 @@ _TYPES = {
     404: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    405: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -57,6 +58,14 @@ def error_body(status: int, message: str, code: Optional[str] = None, param: Opt
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def chunk_error(chunk: Mapping[str, Any]) -> APIError:
+    """A replica's error chunk (deployments.data_plane.protocol) as the HTTP error it stands for (a 503 says when
+    to retry)."""
+    retry = chunk.get("retry_after_s")
+    headers = {"Retry-After": retry_after(retry)} if retry is not None else None
+    return APIError(chunk["status"], chunk["message"], code=chunk["code"], param=chunk.get("param"), headers=headers)
 
 
 class BodyLimit:

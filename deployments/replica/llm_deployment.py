@@ -1,5 +1,5 @@
 """The Serve deployment `LLMServer`: builds the engine and registry inside the replica and
-delegates to `deployments.llm_server.LLMServer`."""
+delegates to `deployments.replica.llm_server.LLMServer`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from ray import serve
 from deployments import warm_start
 from deployments.config import AppConfig
 from deployments.engine_settings import engine_config
-from deployments.llm_server import LLMServer
-from deployments.protocol import GenerateRequest
+from deployments.replica.llm_server import LLMServer
+from deployments.data_plane.protocol import GenerateRequest, PromptBound
 from deployments.serve_internals import residency_publisher
 
 __all__ = ["LLMDeployment"]
@@ -68,6 +68,10 @@ class LLMDeployment:
     # bookkeeping from a threadpool while a request mutates it.
     async def record_routing_stats(self) -> dict[str, Any]:
         return self.server.record_routing_stats()
+
+    async def prompt_bound(self) -> PromptBound:
+        """The longest prompt this replica could take, for the ingress to refuse longer ones unread."""
+        return self.server.prompts.bound
 
     async def describe(self) -> dict[str, Any]:
         """Replica id, known adapters, routing stats, placement share and start-up: wall-clock marks

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from deployments.dependency_health import DependencyHealth
-from deployments.errors import retry_after
+from deployments.data_plane.errors import retry_after
 
 __all__ = ["TokenBucket", "RateLimiter", "RedisRateLimiter", "RateLimited", "RefusalHold", "ColdLoadGate"]
 
@@ -150,6 +150,9 @@ class RedisRateLimiter:
         return RateLimiter.retry_after_header(err)
 
 
+MAX_TRACKED_CALLERS = 10_000  # refusal counts kept before the idle ones are dropped
+
+
 @dataclass
 class RefusalHold:
     """A caller refused more than `after` times within one second (any 4xx answer to its own requests: malformed,
@@ -171,12 +174,20 @@ class RefusalHold:
     def refused(self, caller: str) -> None:
         """Count one refusal of `caller`'s request; the one past `after` within a second benches it."""
         now = self.clock()
+        if len(self._window) >= MAX_TRACKED_CALLERS:
+            self._forget_idle(now)
         start, count = self._window.get(caller, (now, 0))
         if now - start >= 1.0:
             start, count = now, 0
         self._window[caller] = (start, count + 1)
         if self.hold_s > 0 and count + 1 > self.after:
             self._until[caller] = max(self._until.get(caller, now), now + self.hold_s)
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop callers whose counting second and bench are over: a caller is a tenant and a client host, and the
+        hosts are the clients' to choose."""
+        self._window = {c: w for c, w in self._window.items() if now - w[0] < 1.0}
+        self._until = {c: t for c, t in self._until.items() if t > now}
 
     def benched(self, caller: str) -> bool:
         """Whether `caller` is benched now; a request while it is extends the bench to `hold_s` from now."""

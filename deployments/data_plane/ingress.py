@@ -16,9 +16,10 @@ from deployments.config import AppConfig
 from deployments.dependency_health import DependencyGauge, DependencyHealth, DependencyUnavailable
 from deployments.metrics import PlacementTiers, ServingMetrics
 from deployments.placement import PlacementReporter
-from deployments.openai_api import IngressDeps, create_openai_app
-from deployments.protocol import GenerateRequest, ReplicaUnavailable
-from deployments.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
+from deployments.data_plane.errors import APIError, error_response
+from deployments.data_plane.openai_api import IngressDeps, create_openai_app
+from deployments.data_plane.protocol import GenerateRequest, PromptBound, ReplicaUnavailable
+from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
 from deployments.registry_view import RegistryView
 from router.keys import AdapterKey
 
@@ -48,6 +49,10 @@ class ServeLLMClient:
             raise ReplicaUnavailable(f"{type(e).__name__}") from e
         finally:
             gen.cancel()  # no-op when finished; aborts the replica's generation otherwise
+
+
+    async def prompt_bound(self) -> PromptBound:
+        return await self._handle.prompt_bound.remote()
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -94,6 +99,7 @@ class OpenAIIngress:
             registry_errors=(AdapterNotFound, AdapterDisabled),
             upload_prefix=f"{cfg.admin_prefix}/v1/uploads/",
         )
+        self.deps.prompt_bound.get(self.deps.llm)  # asked now: known before the first long prompt comes
         if self.placement is not None:
             self.placement.start()  # on the replica's event loop: replica reports flow before any request
 
@@ -127,7 +133,8 @@ def add_placement_route(app, reporter: PlacementReporter, admin_token: str, pref
     async def placement(request: Request) -> JSONResponse:
         auth = request.headers.get("authorization", "")
         if not hmac.compare_digest(auth.encode(), f"Bearer {admin_token}".encode()):
-            return JSONResponse({"error": {"code": "unauthorized", "message": "admin token required"}}, 401)
+            return error_response(APIError(401, "the admin token is needed: send 'Authorization: Bearer TOKEN'",
+                                           code="unauthorized", headers={"WWW-Authenticate": "Bearer"}))
         return JSONResponse(await reporter.refresh())
 
     app.add_api_route(f"{prefix}/v1/placement", placement, methods=["GET"], include_in_schema=False)
