@@ -217,7 +217,7 @@ class Scheduler:
 
     def _adapter_ready(self, seq: Sequence, issued: bool) -> tuple[bool, bool]:
         """Whether a waiting request's adapter is in a device slot, issuing its copy if none is in flight and this
-        scheduling issued none yet (`issued`); -> (ready, issued). Ready is a hit when the request never waited for it."""
+        scheduling issued none yet (`issued`); -> (ready, issued). Ready counts a hit if the request never waited."""
         slots = self.adapters.slots
         resident = slots.slot_of(seq.adapter) is not None
         hit = resident and seq.request_id not in self._cold

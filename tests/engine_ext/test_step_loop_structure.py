@@ -43,7 +43,8 @@ def assigned_attributes(tree: ast.AST):
 
 
 def test_assignments_are_found_in_every_form():
-    src = "a.flight = 1\nb.x, c.pending = 1, 2\nd.num_computed += 1\nsetattr(e, 'flight_row', 0)\nself.status: int = 0\n"
+    src = ("a.flight = 1\nb.x, c.pending = 1, 2\nd.num_computed += 1\nsetattr(e, 'flight_row', 0)\n"
+           "self.status: int = 0\n")
     found = {(attr, on) for _, attr, on in assigned_attributes(ast.parse(src))}
     assert found == {("flight", "a"), ("x", "b"), ("pending", "c"), ("num_computed", "d"), ("flight_row", "e"),
                      ("status", "self")}
