@@ -1,10 +1,13 @@
 """Runs a step's plan (speculation/plan.py): every forward queued with its inputs from the host or from the device,
 every logits row drawn on the device into the step's token buffer, drafts verified on the device, and what each
 row commits copied to the host once the last forward is queued. The host does not wait for any of it: the result
-is a Flight (flight.py), which the engine reads one step later.
+is a Flight (flight.py), which the engine reads one step later. A plain step is the plan with no drafting pass (its
+one forward is the adapter-on pass a cycle verifies in), run by the same code.
 
-The one exception is a prompt's first token drawn in a drafting pass: it is read as soon as that pass has run
-(the passes queued after it keep the device busy meanwhile) and handed out before the step ends (`Step.first`)."""
+The executor changes no Sequence: the Flight says what it queued (each row's commits, the prompt positions whose KV
+it wrote) and the scheduler applies it (`Scheduler.on_queued`). The one exception to reading one step late is a
+prompt's first token drawn in a drafting pass: it is read as soon as that pass has run (the passes queued after it
+keep the device busy meanwhile) and handed out before the step ends (`Step.first`)."""
 
 from __future__ import annotations
 
@@ -55,32 +58,30 @@ class StepExecutor:
     @torch.inference_mode()
     def launch(self, step: Step, carry: Flight | None) -> Flight:
         """Queue the step; `carry`: the step before it, queued and not read, whose rows' last tokens and shifts the
-        rows it shares with this one start from."""
-        if not step.passes:
-            return self._plain(step.seqs, carry)
-        planner = Planner(step.passes, self.width, self.pass_tokens)
+        rows it shares with this one start from. A plain step's prompts are not paced: they all run in its one
+        forward, as the scheduler's token budget admitted them."""
+        planner = Planner(step.passes, self.width, self.pass_tokens if step.passes else None)
         planner.add(step.rows)
-        seqs = list(step.seqs)
         c = len(carry.seqs) if carry is not None else 0
         buf = torch.empty(c + (step.passes + self.max_drafts + 2) * self.width, dtype=torch.long, device=self.device)
         if carry is not None:
             buf[:c] = carry.last
-        run = _Run(seqs, carry, buf, c, [self._mark()], [], {})
+        run = _Run(list(step.seqs), carry, buf, c)
         for j in range(step.passes):
             if j and step.join is not None:
                 self._between(step, planner, run, j)
-            self._forward(planner.next_pass(), run, planner.plan)
-        if step.join is not None:
+            self._forward(planner.next_pass(), run, "base")
+        if step.passes and step.join is not None:
             self._between(step, planner, run, step.passes)
-        self._forward(planner.verify_pass(), run, planner.plan)
-        if step.first is not None:  # the last drafting pass's first tokens, before the verify pass ends
+        self._forward(planner.verify_pass(), run, "lora" if step.passes else "plain")
+        if step.passes and step.first is not None:  # the last drafting pass's first tokens, before the verify ends
             self._first_tokens(step, planner.plan, run, step.passes - 1)
         self._count(planner.plan)
         return self._flight(planner.plan, run)
 
     def _count(self, plan: StepPlan) -> None:
         c = self.counters
-        if c is None:
+        if c is None or not plan.passes:
             return
         c.draft_passes += plan.passes
         c.cycle_passes[plan.passes] += 1
@@ -88,82 +89,45 @@ class StepExecutor:
         c.paced_prompts += len(plan.paced)
 
     # ------------------------------------------------------------ forwards
-    def _plain(self, seqs: list[Sequence], carry: Flight | None) -> Flight:
-        """A plain step: every row in one adapter-on forward, one token each (its plan is trivial: row r's one entry
-        draws buffer index r, from its last token or its prompt), so its work is built straight from the rows."""
-        work, src, special = [], [], []
-        lora_slot = self.slots.lora_slot
-        shifts = carry.shift if carry is not None else None
-        for r, seq in enumerate(seqs):
-            slot = lora_slot(seq.adapter)
-            n = seq.num_tokens
-            if n - seq.num_computed > 1:  # a prompt (or a preempted sequence's recompute)
-                w = seq.work(slot)
-                src += [-1] * len(w.token_ids)
-                seq.num_computed = n  # queued: its prompt's KV is written before any later read
-            elif seq.flight is carry and carry is not None:
-                row, (lo, hi) = seq.flight_row, seq.pending
-                src.append(row)
-                w = SeqWork([0], n - 1 + lo, seq.block_table, slot, 1, row if shifts is not None else -1, hi - lo)
-            else:
-                src.append(-1)
-                w = SeqWork([seq.last_token], n - 1, seq.block_table, slot)
-            work.append(w)
-            if not seq.plain_row:
-                special.append(r)
-        logits, positions = self.runner.launch(
-            work, self.slots, use_lora=any(s.adapter is not None for s in seqs), owned=False, shifts=shifts,
-            tokens=carry.last if carry is not None else None, token_src=src if carry is not None else None)
-        kept, adjusts = {}, False
-        if special:  # rows that sample, adjust their logits or return them (else every row is an argmax)
-            params = [s.params for s in seqs]
-            kept = {r: logits[r].float().clone() for r in special if params[r].needs_rows}
-            adjusts = any(seqs[r].adjusts_logits for r in special)
-            rows = SamplingRows.pack(params, [s.seed for s in seqs], self.device)
-            tokens = sample(adjust_logits(logits, params, seqs) if adjusts else logits, rows,
-                            None if rows is None else positions + 1)
-        else:
-            tokens = logits.argmax(dim=-1)
-        host, ready = self._to_host(tokens)
-        n = len(seqs)
-        ones = [1] * n  # (a plain step is priced by its whole time, not by its forward's span: no marks)
-        flight = Flight(list(seqs), None, ones, ones, tokens, None, host[:, None], ready, [], [], kept, [0] * n,
-                        commits=[[r] for r in range(n)], counted=False, adjusts=adjusts)
-        for r, seq in enumerate(seqs):  # every row commits its one token: the next step starts after it
-            seq.flight, seq.flight_row, seq.pending = flight, r, (1, 1)
-        return flight
-
-    def _forward(self, fwd: Forward, run: _Run, plan: StepPlan) -> None:
-        """Queue one forward and draw its logits rows into the buffer at fwd.out."""
-        work, src, params, seeds, history = [], [], [], [], []
+    def _forward(self, fwd: Forward, run: _Run, kind: str) -> None:
+        """Queue one forward and draw its logits rows into the buffer at fwd.out, between two marks (its span).
+        `kind`: "base", "lora" or "plain"; "prompted" when it also computes prompts."""
+        work, src = [], []
         for e in fwd.entries:
-            seq = run.seqs[e.row]
-            w = self._entry_work(e, seq, run, src)
-            work.append(w)
-            params += [seq.params] * e.logits
-            seeds += [seq.seed] * e.logits
-            history += [seq] * e.logits
-            if e.prompt:
-                seq.num_computed = seq.num_tokens  # queued: the KV of its prompt is written before any later read
+            work.append(self._entry_work(e, run.seqs[e.row], run, src))
         on = any(e.lora and run.seqs[e.row].adapter is not None for e in fwd.entries)
+        from_buf = any(s >= 0 for s in src)  # (else no token of it is read from the device)
+        run.marks.append([self._mark(), None])
         logits, positions = self.runner.launch(
-            work, self.slots, use_lora=on, tokens=run.buf, token_src=src, owned=False,
-            shifts=run.carry.shift if run.carry is not None else None)
+            work, self.slots, use_lora=on, tokens=run.buf if from_buf else None, token_src=src if from_buf else None,
+            owned=False, shifts=run.carry.shift if run.carry is not None else None)
         self._keep(fwd, run, logits)  # raw rows: logprobs and returned logits are the model's, before adjustments
-        rows = SamplingRows.pack(params, seeds, self.device)
-        tokens = sample(adjust_logits(logits, params, history), rows, None if rows is None else positions + 1)
-        run.buf[run.c + fwd.out : run.c + fwd.out + len(params)] = tokens
-        run.marks.append(self._mark())
-        kind = "prompted" if any(e.prompt for e in fwd.entries) else ("lora" if fwd is plan.verify else "base")
+        tokens = self._sample(fwd, run.seqs, logits, positions)
+        run.buf[run.c + fwd.out : run.c + fwd.out + len(tokens)] = tokens
+        run.marks[-1][1] = self._mark()
+        kind = "prompted" if any(e.prompt for e in fwd.entries) else kind
         read = {run.seqs[e.row].adapter for e in fwd.entries if e.lora} - {None}
         run.passes.append((kind, sum(len(w.token_ids) for w in work), len(read)))
 
+    def _sample(self, fwd: Forward, seqs: list[Sequence], logits: torch.Tensor, positions: torch.Tensor):
+        """The forward's logits rows drawn on the device: an argmax when every row is greedy with nothing to adjust,
+        else each row with its request's params and noise key."""
+        rows = [seqs[e.row] for e in fwd.entries for _ in range(e.logits)]
+        if all(s.plain_row for s in rows):
+            return logits.argmax(dim=-1)
+        params = [s.params for s in rows]
+        packed = SamplingRows.pack(params, [s.seed for s in rows], self.device)
+        adjusted = adjust_logits(logits, params, rows) if any(s.adjusts_logits for s in rows) else logits
+        return sample(adjusted, packed, None if packed is None else positions + 1)
+
     def _entry_work(self, e: Entry, seq: Sequence, run: _Run, src: list[int]) -> SeqWork:
-        """Entry e's SeqWork, appending each token's source (-1 or an index into the buffer) to `src`."""
+        """Entry e's SeqWork, appending each token's source (-1 or an index into the buffer) to `src`; a prompt's
+        entry notes the positions whose KV it writes (`_Run.computed`)."""
         slot = self.slots.lora_slot(seq.adapter) if e.lora else self.slots.zero_slot
         if e.prompt:
             w = seq.work(slot)
             src.extend([-1] * len(w.token_ids))
+            run.computed[e.row] = w.start + len(w.token_ids)
             return w
         carried = run.carry is not None and seq.flight is run.carry
         row = seq.flight_row if carried else -1
@@ -218,41 +182,70 @@ class StepExecutor:
         event.record()
         return event
 
+    @staticmethod
+    def _passed(run: _Run, i: int):
+        """The mark the device passes once it has run i forwards of the step (0: when it starts the first)."""
+        return run.marks[i - 1][1] if i else run.marks[0][0]
+
     def _wait(self, run: _Run, i: int) -> None:
         if self.cuda:
-            run.marks[i].synchronize()
+            began = time.perf_counter()
+            self._passed(run, i).synchronize()
+            run.wait_s += time.perf_counter() - began
 
     def _read_after(self, run: _Run, i: int, idx: list[int]) -> list[int]:
-        """buf[idx] on the host once the device has passed mark i, without waiting for what was queued after it."""
+        """buf[idx] on the host once the device has run i forwards, without waiting for what was queued after."""
         if not self.cuda:
             return run.buf[idx].tolist()
+        began = time.perf_counter()
         with torch.cuda.stream(self._side):
-            self._side.wait_event(run.marks[i])
+            self._side.wait_event(self._passed(run, i))
             picked = run.buf[torch.tensor(idx, device=self.device)].cpu()
+        run.wait_s += time.perf_counter() - began
         return picked.tolist()
 
     # ------------------------------------------------------------ what each row commits
     def _flight(self, plan: StepPlan, run: _Run) -> Flight:
-        """Each row's tokens in commit order (fixed, then the verify pass's up to its first rejected draft), on the
-        device, then copied to the host."""
+        """The one builder of a Flight: each row's tokens in commit order (fixed, then the verify pass's up to its
+        first rejected draft) gathered on the device, then copied to the host. Rows that commit exactly the one
+        token they drew (a plain step) need no verification: their tokens are the flight's `last` as they are."""
+        commits = [f + v for f, v in zip(plan.fixed, plan.verified)]
+        if not any(plan.drafts) and all(len(o) == 1 for o in commits):
+            last = self._gather(run.buf, [run.c + o[0] for o in commits])
+            tokens, counts, shift = last[:, None], None, None
+        else:
+            tokens, counts, last, shift = self._verified(plan, run)
+        host, ready = self._to_host(tokens if counts is None else torch.cat([tokens, counts[:, None]], dim=1))
+        lo = [len(f) + (len(v) > 0) for f, v in zip(plan.fixed, plan.verified)]
+        return Flight(run.seqs, plan, lo, [len(o) for o in commits], last, shift, host, ready, run.marks,
+                      run.passes, run.kept, [int(r in run.published) for r in range(len(run.seqs))],
+                      drafts=[len(d) for d in plan.drafts], commits=commits, counted=counts is not None,
+                      adjusts=any(s.adjusts_logits for s in run.seqs), computed=dict(run.computed),
+                      wait_s=run.wait_s)
+
+    def _verified(self, plan: StepPlan, run: _Run):
+        """(tokens [R, L], counts [R], last [R], shift [R] or None) on the device: each row's fixed tokens, then
+        the verify pass's up to and including the first that differs from its draft (verify.py)."""
         layout = _Layout.of(plan, run.c)
-        lanes = torch.from_numpy(layout.table)
-        if self.cuda:
-            lanes = lanes.pin_memory().to(self.device, non_blocking=True)
-        order, draft, target, fixed, verified = lanes
+        order, draft, target, fixed, verified = self._upload(layout.table)
         tokens = run.buf[order.clamp_min(0)]
         accepted = verify.accepted_lengths(run.buf[draft.clamp_min(0)], run.buf[target.clamp_min(0)], draft >= 0)
         verifies = verified[:, 0] > 0
         counts = fixed[:, 0] + verifies * (accepted + 1)
         last = tokens.gather(1, (counts - 1).clamp_min(0)[:, None])[:, 0]
         shift = verifies * accepted if layout.drafts else None  # committed beyond lo: the accepted drafts
-        host, ready = self._to_host(torch.cat([tokens, counts[:, None]], dim=1))
-        commits = [f + v for f, v in zip(plan.fixed, plan.verified)]
-        lo = [len(f) + (len(v) > 0) for f, v in zip(plan.fixed, plan.verified)]
-        return self._rows(Flight(run.seqs, plan, lo, [len(o) for o in commits], last, shift, host, ready, run.marks,
-                                 run.passes, run.kept, [int(r in run.published) for r in range(len(run.seqs))],
-                                 drafts=[len(d) for d in plan.drafts], commits=commits,
-                                 adjusts=any(s.adjusts_logits for s in run.seqs)))
+        return tokens, counts, last, shift
+
+    def _gather(self, buf: torch.Tensor, idx: list[int]) -> torch.Tensor:
+        """buf[idx] on the device: a view when idx is a run of consecutive indices (a plain step's rows, mostly)."""
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            return buf[idx[0] : idx[0] + len(idx)]
+        return buf[self._upload(np.array(idx, dtype=np.int64))]
+
+    def _upload(self, table: np.ndarray) -> torch.Tensor:
+        """A host index table on the device, copied without the host waiting (pinned, on a GPU)."""
+        lanes = torch.from_numpy(table)
+        return lanes.pin_memory().to(self.device, non_blocking=True) if self.cuda else lanes
 
     def _to_host(self, result: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A host copy of `result` (pinned, queued after everything before it) and the event that says it landed."""
@@ -264,30 +257,24 @@ class StepExecutor:
         ready.record()
         return host, ready
 
-    @staticmethod
-    def _rows(flight: Flight) -> Flight:
-        """Mark every row's sequence as held by this flight (the next step starts from where it leaves them)."""
-        for r, seq in enumerate(flight.seqs):
-            if flight.lo[r]:
-                seq.flight, seq.flight_row = flight, r
-                seq.pending = flight.pending(r)
-        return flight
-
 
 @dataclass
 class _Run:
     """A launch in progress: its rows, the step it carries from, the token buffer (the carried rows' last tokens in
-    [0, c), then the plan's indices from c), the timing marks, the passes for the gate, kept logits rows, the rows
-    whose first token went out early."""
+    [0, c), then the plan's indices from c), each forward's (start, end) marks, the passes for the gate, kept logits
+    rows, the rows whose first token went out early, the prompt positions whose KV it queued (row -> positions),
+    and the host's seconds blocked on the device between passes."""
 
     seqs: list[Sequence]
     carry: Flight | None
     buf: torch.Tensor
     c: int
-    marks: list
-    passes: list
-    kept: dict
+    marks: list = field(default_factory=list)
+    passes: list = field(default_factory=list)
+    kept: dict = field(default_factory=dict)
     published: set = field(default_factory=set)
+    computed: dict = field(default_factory=dict)
+    wait_s: float = 0.0
 
 
 @dataclass

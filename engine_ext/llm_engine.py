@@ -1,7 +1,8 @@
 """The synchronous engine. `step()` queues the next step on the device (schedule -> plan -> launch: a plain step or
-a speculative cycle, one executor for both), then reads the step before it (commit its tokens, stops, outputs):
-the host reads a step's tokens one step late, while the device runs the next one, whose inputs come from those
-tokens on the device. `generate()` loops over it."""
+a speculative cycle, one executor for both; the scheduler applies what it queued), then reads the step before it
+(append its tokens, stops, outputs; the scheduler updates its sequences' progress from it): the host reads a step's
+tokens one step late, while the device runs the next one, whose inputs come from those tokens on the device.
+`generate()` loops over it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from .output_processor import OutputProcessor
 from .prefix_cache import root_hash
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import RequestOutput, Sequence, SeqStatus
+from .sequence import RequestOutput, Sequence
 from .speculation import Gate, NoSpeculation, Plan, StepResult
 from .speculation.cycle import prompt_row, rows_for
 from .stats import EngineStats, PrefixCacheStats
@@ -80,6 +81,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._flight: Flight | None = None  # the step queued on the device and not read yet
         self._flight_plan: Plan | None = None  # the gate's plan for it
+        self._read_s = 0.0  # host seconds spent reading steps, in all (what a step's own host time leaves out)
         self._removals_seen = 0
         self._ids = itertools.count()
         self.set_speculation(config.speculative)
@@ -185,8 +187,7 @@ class LLMEngine:
         for request_id in ids:
             self.abort_request(request_id)
         self._flight = self._flight_plan = None
-        for seq in self.seqs.values():
-            seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
+        self.scheduler.drop_queued(self.seqs.values())
         self.seqs.clear()
         self.blocks.clear()  # after a failed step nothing on the device is trusted, cached KV included
         self.scheduler.finished.clear()
@@ -206,7 +207,7 @@ class LLMEngine:
         (penalties) is read before the next one is planned, and so is one whose sequences' room for the most it can
         commit is not free (the scheduler says so)."""
         ctx = ctx or StepContext()
-        start = time.perf_counter()
+        start, reading = time.perf_counter(), self._read_s
         self._fail_orphans()
         outputs = []
         if self._flight is not None and self._flight.adjusts and any(s.adjusts_logits and not s.ended
@@ -221,6 +222,8 @@ class LLMEngine:
         # the device's work; and also when it queued none (an idle engine's first request for an adapter), or the
         # copy would never start and the request would wait for it forever.
         self.adapters.slots.flush()
+        if flight is not None:  # the host's time queueing it, less the reads of the step before and the device waits
+            flight.host_s = time.perf_counter() - start - (self._read_s - reading) - flight.wait_s
         outputs += self._read(flight)
         self._flight, self._flight_plan = flight, plan
         self.counters.steps += flight is not None
@@ -232,9 +235,10 @@ class LLMEngine:
         plan = self.gate.plan(batch)
         # first tokens drawn in a drafting pass are read early only for a loop that takes them (StepContext.publish)
         first = None if ctx.publish is None else lambda seqs, tokens, rows: self._first(ctx, seqs, tokens, rows)
-        rows = rows_for(plan, self.max_model_len) if plan.passes else []
-        step = Step(plan.seqs, rows, plan.passes, join=self._joiner(batch, plan, ctx), first=first)
+        step = Step(plan.seqs, rows_for(plan, self.max_model_len), plan.passes, join=self._joiner(batch, plan, ctx),
+                    first=first)
         flight = self.executor.launch(step, self._flight)
+        self.scheduler.on_queued(flight)
         flight.launched = start  # its time runs from its scheduling to the next step's
         return flight, plan
 
@@ -266,53 +270,50 @@ class LLMEngine:
 
     def _read(self, queued: Flight | None) -> list[RequestOutput]:
         """Read the step queued before `queued` (the one just queued, if any): commit each row's tokens, hand back
-        the sequences that ended, feed the gate; returns the outputs."""
+        the sequences that ended, feed the gate what the step measured (StepResult); returns the outputs."""
         flight, plan = self._flight, self._flight_plan
         if flight is None:
             return []
         self._flight = self._flight_plan = None
-        wait = time.perf_counter()
+        began = time.perf_counter()
         tokens, counts = flight.read()
-        self.counters.device_wait_s += time.perf_counter() - wait
+        waited = time.perf_counter() - began
+        self.counters.device_wait_s += waited
+        outputs, verifies = self._commit(flight, tokens.tolist(), counts.tolist())
+        # A step's time runs from its scheduling to the next one's (what the loop spends per step), or, for the last
+        # before the engine runs dry, to the end of its reading.
+        seconds = (queued.launched if queued is not None else time.perf_counter()) - flight.launched
+        passes = [(k, t, a, span) for (k, t, a), span in zip(flight.passes, flight.spans())]
+        host_s = flight.host_s + time.perf_counter() - began - waited
+        self.gate.observe(plan, StepResult(passes, verifies, host_s), seconds)
+        self._read_s += time.perf_counter() - began
+        return outputs
+
+    def _commit(self, flight: Flight, rows: list[list[int]], counts: list[int]) -> tuple[list[RequestOutput], list]:
+        """Append each row's committed tokens (past those handed out early), then let the scheduler update the
+        rows' progress from the step; -> the outputs, and the verified drafts as (adapter, drafted, accepted)."""
         touched, verifies = [], []
-        rows, counts = tokens.tolist(), counts.tolist()
         for r, seq in enumerate(flight.seqs):
-            if seq.flight is flight:
-                seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
             n, done = counts[r], flight.published[r]
             if flight.drafts is not None and flight.drafts[r] and n:
                 verifies.append((seq.adapter, flight.drafts[r], n - flight.lo[r]))
             if seq.finished or not n:
                 continue
-            self._commit_run(seq, rows[r][done:n], flight.logits_rows(r, done, n - done) if flight.kept else None)
+            if not seq.ended:  # (one that ended on an early first token commits nothing more)
+                self._append(seq, rows[r][done:n], flight.logits_rows(r, done, n - done) if flight.kept else None)
             touched.append(seq)
-        outputs = self._emit(touched)
-        # A step's time runs from its scheduling to the next one's (what the loop spends per step), or, for the last
-        # before the engine runs dry, to the end of its reading.
-        seconds = (queued.launched if queued is not None else time.perf_counter()) - flight.launched
-        kinds = flight.passes if flight.speculative else []
-        result = StepResult([(k, t, a, span) for (k, t, a), span in zip(kinds, flight.spans())], verifies)
-        self.gate.observe(plan, result, seconds)
-        return outputs
+        self.scheduler.update_from_output(flight, counts)
+        return self._emit(touched), verifies
 
-    def _commit_run(self, seq: Sequence, tokens: list[int], rows: list | None) -> None:
-        """Commit a row's tokens in order, up to where the sequence ends; then hand it back to the scheduler if it
-        ended, or else mark its KV final up to its last token and give back drafting room nothing will write.
-        rows: each token's logits row, where kept (None: none kept)."""
-        if not seq.ended:  # (one that ended on an early first token commits nothing more)
-            append, n = self.outputs.append, 0
-            for token in tokens:
-                n += 1
-                if append(seq, token, None if rows is None else rows[n - 1]):
-                    break
-            self.counters.usage(seq.adapter).tokens += n
-        if seq.status is SeqStatus.RUNNING:  # (not preempted while the step ran: its blocks hold this KV)
-            seq.num_computed = seq.num_tokens - 1
-            self.scheduler.cache_final(seq)  # before a finish frees them: a next turn resends this text
-        if seq.ended:
-            self.scheduler.finish(seq)
-        elif seq.status is SeqStatus.RUNNING and seq.flight is None:
-            self.blocks.truncate(seq.block_table, seq.num_tokens)
+    def _append(self, seq: Sequence, tokens: list[int], rows: list | None) -> None:
+        """Append a row's tokens in order, up to where the sequence ends. rows: each token's logits row, where kept
+        (None: none kept)."""
+        append, n = self.outputs.append, 0
+        for token in tokens:
+            n += 1
+            if append(seq, token, None if rows is None else rows[n - 1]):
+                break
+        self.counters.usage(seq.adapter).tokens += n
 
     def set_speculation(self, spec: SpecConfig | None) -> None:
         """Switch speculative drafting on (a fresh gate: nothing measured yet) or off (None). Its draft length

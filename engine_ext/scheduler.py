@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .adapter_manager import AdapterManager
 from .block_manager import BlockManager
 from .prefix_cache import chain_hashes
 from .sequence import Sequence, SeqStatus
 from .stats import PrefixCacheStats
+
+if TYPE_CHECKING:  # (flight.py -> speculation -> gate.py imports this module)
+    from .flight import Flight
 
 
 @dataclass
@@ -76,6 +80,40 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.status = SeqStatus.FINISHED
         self.finished.append(seq)
+
+    # ------------------------------------------------------------ progress: the one writer of num_computed, flight
+    def on_queued(self, flight: Flight) -> None:
+        """A step was queued (`StepExecutor.launch`): the prompt positions it computes count as computed from now on
+        (stream order writes their KV before any later forward reads it), and each row that commits tokens is held
+        by it, scheduled from where it leaves the row, until it is read."""
+        for r, n in flight.computed.items():
+            flight.seqs[r].num_computed = n
+        for r, seq in enumerate(flight.seqs):
+            if flight.lo[r]:
+                seq.flight, seq.flight_row, seq.pending = flight, r, flight.pending(r)
+
+    def update_from_output(self, flight: Flight, counts: list[int]) -> None:
+        """A queued step was read and its tokens appended (counts[r]: what row r committed, early first tokens
+        included): each row is released from it; a running sequence that committed has its KV final up to its last
+        token (filed in the prefix cache), then is finished if it ended, or else gives back the drafting room past
+        its tokens when no later queued step writes there."""
+        for r, seq in enumerate(flight.seqs):
+            if seq.flight is flight:
+                seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
+            if seq.finished or not counts[r]:
+                continue
+            if seq.status is SeqStatus.RUNNING:  # (not preempted while the step ran: its blocks hold this KV)
+                seq.num_computed = seq.num_tokens - 1
+                self.cache_final(seq)  # before a finish frees them: a next turn resends this text
+            if seq.ended:
+                self.finish(seq)
+            elif seq.status is SeqStatus.RUNNING and seq.flight is None:
+                self.blocks.truncate(seq.block_table, seq.num_tokens)
+
+    def drop_queued(self, seqs) -> None:
+        """Forget the steps queued for `seqs` without reading them (a step failed: nothing of them is trusted)."""
+        for seq in seqs:
+            seq.flight, seq.flight_row, seq.pending = None, -1, (0, 0)
 
     def ensure_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Reserve blocks for `num_tokens` positions of a running sequence, preempting the newest
@@ -177,6 +215,24 @@ class Scheduler:
         """Whether a running sequence takes part in the next step."""
         return not seq.ended and seq.tokens_left(max_model_len) > 0
 
+    def _adapter_ready(self, seq: Sequence, issued: bool) -> tuple[bool, bool]:
+        """Whether a waiting request's adapter is in a device slot, issuing its copy if none is in flight and this
+        scheduling issued none yet (`issued`); -> (ready, issued). Ready counts a hit if the request never waited."""
+        slots = self.adapters.slots
+        resident = slots.slot_of(seq.adapter) is not None
+        hit = resident and seq.request_id not in self._cold
+        # One copy at a time: on a GPU it runs beside the steps on a side stream, sharing the host link only with
+        # the steps' own small uploads and holding one slot unevictable; on a CPU it stalls the step, so one per step
+        # bounds that stall.
+        if not resident and not issued and not slots.loading:
+            issued = self.adapters.try_activate(seq.adapter, self.busy_adapters())
+        if not self.adapters.ready(seq.adapter):
+            self._cold.add(seq.request_id)
+            return False, issued
+        self._cold.discard(seq.request_id)
+        self.adapters.stats.adapter(seq.adapter).hits += hit
+        return True, issued
+
     def admit(self, batch: ScheduledBatch) -> list[Sequence]:
         """Admit waiting requests into `batch` (appended to batch.seqs as prefills) while blocks, sequence
         slots, its token budget and adapter slots allow; FCFS. Called at scheduling, and again by a speculative
@@ -201,20 +257,10 @@ class Scheduler:
             if not self.blocks.can_allocate(seq.block_table, seq.num_tokens + lookahead, hits):
                 break  # keep FCFS for memory; a later, smaller request must not starve this one
             if seq.adapter is not None:
-                slots = self.adapters.slots
-                resident = slots.slot_of(seq.adapter) is not None
-                hit = resident and seq.request_id not in self._cold
-                # One copy at a time: on a GPU it runs beside the steps on a side stream, sharing the host
-                # link only with the steps' own small uploads and holding one slot unevictable; on a CPU it
-                # stalls the step, so one per step bounds that stall.
-                if not resident and not issued and not slots.loading:
-                    issued = self.adapters.try_activate(seq.adapter, self.busy_adapters())
-                if not self.adapters.ready(seq.adapter):
-                    self._cold.add(seq.request_id)
+                ready, issued = self._adapter_ready(seq, issued)
+                if not ready:
                     skipped.append(self.waiting.popleft())  # adapter not ready: let requests behind it go first
                     continue
-                self._cold.discard(seq.request_id)
-                self.adapters.stats.adapter(seq.adapter).hits += hit
             self.waiting.popleft()
             if lookup:
                 self._take_prefix(seq, hits)

@@ -24,16 +24,17 @@ from ..sequence import Sequence
 from .gate import Plan
 from .plan import Kind, Row
 
+_PLAIN = Row(Kind.PLAIN)
+
 
 def decoding_row(s: Sequence, length: int, ride: bool, speculate: bool, max_model_len: int) -> Row:
     """A decoding sequence's row: it drafts `length`, rides, or (a plain step, or a request that cannot ride) takes
     one token from the verify pass."""
-    left = s.tokens_left(max_model_len)
     if length > 0:
-        return Row(Kind.DRAFT, drafts=length, left=left)
+        return Row(Kind.DRAFT, drafts=length, left=s.tokens_left(max_model_len))
     if speculate and ride and not s.params.adjusts_logits:
-        return Row(Kind.RIDE, left=left)
-    return Row(Kind.PLAIN, left=left)
+        return Row(Kind.RIDE, left=s.tokens_left(max_model_len))
+    return _PLAIN  # (one token from the verify pass: its tokens left bound nothing)
 
 
 def prompt_row(plan: Plan, s: Sequence, max_model_len: int) -> Row:

@@ -1,0 +1,94 @@
+"""What a step reports to the gate (speculation.StepResult), a plain step and a cycle alike: every forward it ran as
+(kind, tokens, adapters, device seconds), its span its own (the host's work between forwards outside it), and the
+host's own time for the step (`host_s`: scheduling, packing, launching, reading; device waits excluded)."""
+
+import time
+
+import pytest
+
+from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig, StepContext
+from tiny_models import build_adapter, build_model
+
+GAP = 0.05  # seconds the serving loop's arrivals callback sleeps: between a cycle's forwards
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("measure")
+    m = build_model("llama", str(root / "m"))
+    return m, {name: build_adapter(m, str(root / name), seed=i, r=8, std=0.01) for i, name in enumerate("ab")}
+
+
+def observed(model, backend, spec, ctx=None, max_tokens=6):
+    """Run four requests (on adapters a, b, none and a) to their end; -> every (plan, result, seconds) the gate was
+    given, and the run's wall time."""
+    path, adapters = model
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, speculative=spec, **backend))
+    for name, p in adapters.items():
+        engine.add_adapter(name, p)
+    seen = []
+    observe = engine.gate.observe
+    engine.gate.observe = lambda plan, result, seconds: (seen.append((plan, result, seconds)),
+                                                         observe(plan, result, seconds))
+    names = ["a", "b", None, "a"]
+    for i, name in enumerate(names):
+        engine.add_request(f"r{i}", prompt_token_ids=[i + 1, i + 2, i + 3], adapter_name=name,
+                           sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    began = time.perf_counter()
+    while engine.has_unfinished_requests:
+        engine.step(ctx)
+    return seen, time.perf_counter() - began
+
+
+def check_common(seen, wall, cpu):
+    assert seen
+    for plan, result, seconds in seen:
+        assert len(result.passes) == plan.passes + 1  # the drafting passes, then the verify (or plain) forward
+        assert all(span > 0 and tokens > 0 for _, tokens, _, span in result.passes)
+        assert result.host_s > 0
+        if cpu:  # a forward runs on the host as it is queued: its time is the host's too
+            assert result.host_s >= sum(p[3] for p in result.passes)
+    assert sum(r.host_s for _, r, _ in seen) <= wall
+
+
+def test_a_plain_step_reports_its_one_forward(model, backend):
+    seen, wall = observed(model, backend, None)
+    check_common(seen, wall, backend.get("device", "cpu") == "cpu")
+    assert [r.passes[0][0] for _, r, _ in seen[:1]] == ["prompted"]  # the first step computes prompts
+    assert "plain" in {r.passes[0][0] for _, r, _ in seen}
+    for plan, result, _ in seen:
+        kind, tokens, adapters, _ = result.passes[0]
+        # a row a token (a plain decoding step), or prompts in it
+        assert kind == ("plain" if tokens == len(plan.seqs) else "prompted")
+        assert adapters == len({s.adapter for s in plan.seqs} - {None})
+        assert not plan.speculate and not result.verifies
+
+
+def test_a_cycle_reports_each_pass_and_its_verified_drafts(model, backend):
+    seen, wall = observed(model, backend, SpecConfig(num_draft_tokens=3, gate=False), max_tokens=12)
+    check_common(seen, wall, backend.get("device", "cpu") == "cpu")
+    cycles = [(plan, result) for plan, result, _ in seen if plan.speculate]
+    assert cycles
+    for plan, result in cycles:
+        kinds = [p[0] for p in result.passes]
+        assert set(kinds[:-1]) <= {"base", "prompted"} and kinds[-1] in {"lora", "prompted"}
+        assert result.verifies and all(name in "ab" for name, _, _ in result.verifies)
+        assert all(0 <= accepted <= drafted <= 3 for _, drafted, accepted in result.verifies)
+
+
+def test_a_pass_span_leaves_out_the_host_work_between_forwards(model, backend):
+    """The serving loop's arrivals callback runs between a cycle's forwards (here sleeping GAP each time): it is
+    the host's time, in host_s, and in no forward's span. (On a CPU a forward's own time is the host's too, so
+    host_s holds both; on a GPU, once the first forwards are past, each span is well under GAP.)"""
+    cpu = backend.get("device", "cpu") == "cpu"
+    seen, wall = observed(model, backend, SpecConfig(num_draft_tokens=3, gate=False),
+                          StepContext(arrivals=lambda: time.sleep(GAP)), max_tokens=12)
+    check_common(seen, wall, cpu)
+    cycles = [(i, result) for i, (plan, result, _) in enumerate(seen) if plan.passes >= 2]
+    assert cycles
+    for i, result in cycles:
+        gaps = len(result.passes) - 1  # before every drafting pass but the first, and before the verify pass
+        spans = [p[3] for p in result.passes]
+        assert result.host_s >= gaps * GAP + (sum(spans) if cpu else 0.0)
+        if not cpu and i >= 2:
+            assert max(spans) < GAP
