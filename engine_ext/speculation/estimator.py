@@ -45,7 +45,8 @@ class Estimator:
     def observe(self, plan: Plan, result: StepResult, seconds: float, timed: bool = True) -> bool:
         """A step read: acceptance from its verifies, and (when `timed`) its pass and host times. A plain step is
         timed only when every sequence in it decoded (prompts price no plain decoding), a pass that ran prompts
-        ("prompted") never. True when the step's times were recorded."""
+        ("prompted") never, and a cycle's host time only when none of its passes did. True when the step's times
+        were recorded."""
         for name, drafted, accepted in result.verifies:
             self.adapter(name).observe(drafted, accepted, self.acceptance_ema)
         if not timed:
@@ -62,6 +63,8 @@ class Estimator:
         for kind, tokens, adapters, spent in result.passes:
             if kind in ("base", "lora"):
                 self.times.record(kind, tokens, adapters, spent)
+        if any(p[0] == "prompted" for p in result.passes):
+            return  # the host work of its prompts (and their first tokens) prices no decoding, as in a plain step
         if result.host_s > 0:
             self.times.record("cycle_host", n, 0, result.host_s)
         else:  # measured without host time: the rest of the step beyond its passes, paid on top of them

@@ -108,3 +108,13 @@ def test_a_laggard_in_a_closed_batch_prices_it_by_its_slowest():
     accs, slowest = est.batch_acceptance(("fast", "slow"), (30, 30))
     assert slowest == (30, 30) and accs[0] > accs[1]
     assert est.batch_acceptance(("fast", "slow"), None)[1] is None  # an open batch: by tokens per second
+
+
+def test_a_cycle_that_ran_prompts_prices_its_pure_passes_but_not_its_host_time():
+    """Prompts joining a cycle add host work (their entries, first tokens) that a decoding cycle does not pay: it
+    prices no cycle, as a plain step with prompts prices no plain step."""
+    est = Estimator()
+    passes = [("prompted", 300, 0, 8e-3)] + [("base", 8, 0, 1.2e-3)] * 3 + [("lora", 40, 8, 1.63e-3)]
+    twice(est, cycle_plan(8, 8), StepResult(passes, [], 9e-3), seconds=2e-2)
+    assert est.times.get("base", 8, 0) == pytest.approx(1.2e-3) and est.times.get("lora", 40, 8) == 1.63e-3
+    assert est.times.get("cycle_host", 8, 0) is None and est.times.get("overhead", 8, 0) is None
