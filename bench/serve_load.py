@@ -316,6 +316,70 @@ def compare(runs: list[dict]) -> list[dict]:
     return out
 
 
+class GateTrace:
+    """`--gate-trace`: every decision the gate's policy takes on cost (plain_cost and speculate), with what priced it:
+    the batch (sequences, base-only, prompts, distinct adapters), the chosen draft lengths, the cycle's predicted
+    (device, host) seconds and the plain step's, and both rates. Wraps policy.decide while a run lasts; the engine
+    is unchanged. `summary()` groups the decisions by batch size; `table(engine)` is the estimator's pass times."""
+
+    def __init__(self, limit: int = 400):
+        self.limit, self.rows, self._orig = limit, [], None
+
+    def __enter__(self):
+        from engine_ext.speculation import gate as gate_mod
+        from engine_ext.speculation import policy, pricing
+
+        orig = self._orig = gate_mod.policy.decide
+
+        def decide(state, batch, est, tune):
+            choice, nxt = orig(state, batch, est, tune)
+            d = choice.decision
+            if d is not None and d.value in ("plain_cost", "speculate") and len(self.rows) < self.limit:
+                priced = policy.priced_batch(batch, est)
+                lengths = policy.draft_lengths(state, priced, est, tune)
+                parts = pricing.cycle_parts(est, priced, lengths) if any(lengths) else None
+                t_plain = est.plain(batch.size, priced.distinct)
+                ms = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
+                self.rows.append({
+                    "decision": d.value, "size": batch.size, "base": batch.num_base, "prompts": batch.prompts,
+                    "distinct": priced.distinct, "lengths": sorted(set(lengths)),
+                    "cycle_ms": None if parts is None else [ms(parts[0]), ms(parts[1])], "plain_ms": ms(t_plain),
+                    "cycle_rate": pricing.cycle_rate(est, priced, lengths) if any(lengths) else None,
+                    "plain_rate": None if not t_plain else pricing.plain_rate(priced, t_plain)})
+            return choice, nxt
+
+        gate_mod.policy.decide = decide
+        return self
+
+    def __exit__(self, *exc):
+        from engine_ext.speculation import gate as gate_mod
+
+        gate_mod.policy.decide = self._orig
+
+    def summary(self) -> list[dict]:
+        """Per (decision, batch size bucket): count, and the median cycle and plain prices."""
+        groups: dict[tuple[str, int], list[dict]] = {}
+        for r in self.rows:
+            groups.setdefault((r["decision"], 1 << max(0, (r["size"] - 1).bit_length())), []).append(r)
+        out = []
+        for (d, size), rows in sorted(groups.items()):
+            mid = rows[len(rows) // 2]
+            out.append({"decision": d, "size_bucket": size, "count": len(rows), "example": mid,
+                        "with_prompts": sum(1 for r in rows if r["prompts"])})
+        return out
+
+    @staticmethod
+    def table(engine) -> dict:
+        """The estimator's measured pass times: kind -> {"tokens/adapters": ms}."""
+        times = getattr(getattr(engine, "gate", None), "estimator", None)
+        if times is None:
+            return {}
+        out: dict[str, dict[str, float]] = {}
+        for (kind, t, a), v in sorted(times.times._t.items()):
+            out.setdefault(kind, {})[f"{t}/{a}"] = round(v * 1e3, 3)
+        return out
+
+
 def engine_config(model_dir: str, device: str, num_adapters: int, max_loras: int, rank: int, max_rank: int, spec,
                   compile_cache: str | None = None, debug_checks: bool = False, **fields):
     """The benchmarks' engine: on a GPU the serving fast path (Triton kernels, CUDA graphs up to EngineConfig's
@@ -371,6 +435,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
     ap.add_argument("--loop", choices=["step", "served"], default="step",
                     help="drive engine.step() directly, or through AsyncLLMEngine with an asyncio client per request")
+    ap.add_argument("--gate-trace", action="store_true",
+                    help="record the gate's cost decisions and its pass times in each gated run (GateTrace)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = args.modes or ["plain" if not args.spec else "forced" if args.no_gate else "gated"]
@@ -430,8 +496,15 @@ def main() -> None:
             run = {"run": run_spec, "mode": mode}
             stats_before = engine.stats()
             start = time.perf_counter()
+            trace = GateTrace() if args.gate_trace and mode == "gated" else None
             try:
-                records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
+                if trace is not None:
+                    with trace:
+                        records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
+                    run["gate_trace"] = trace.summary()
+                    run["pass_times_ms"] = GateTrace.table(engine)
+                else:
+                    records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
                 run |= summarize(records, time.perf_counter() - start)
                 run["outputs"] = outputs_digest(records)
             except Exception as exc:  # a crash is the result: report it, with how far the run got

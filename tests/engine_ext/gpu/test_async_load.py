@@ -26,10 +26,10 @@ X_PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 Y_PROMPTS = {"y8": [[3, 3, 5], [50, 60, 70, 80]], "y64": [[5, 4, 3, 2, 1, 9]]}
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 JOIN_STEP = 3  # the cold adapters' requests arrive while x's requests are decoding
-# torch.cuda._sleep on the copy stream: ~0.2 s, so a load spans several steps even when other processes share the
+# torch.cuda._sleep on the copy stream: ~1 s, so a load spans several steps even when other processes share the
 # GPU (the sleep counts SM clock cycles, which run on while the GPU serves another process: at 50 ms the cold
 # load once ended within one of x's steps under pytest-xdist, run 20)
-HOLD_CYCLES = 400_000_000
+HOLD_CYCLES = 2_000_000_000
 
 
 @pytest.fixture(scope="module")
