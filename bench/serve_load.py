@@ -264,16 +264,18 @@ def build_workload(work_dir: str, shape: str, num_adapters: int, rank: int, gpu:
     return model_dir, adapters
 
 
-def mode_spec(mode: str, k: int):
+def mode_spec(mode: str, k: int, draft_lead: int | None = None):
     """The engine's speculation setting for a mode: None (plain decoding; base-only traffic for "base"), or
-    k drafts with the gate deciding ("gated") or drafting every step ("forced")."""
+    k drafts with the gate deciding ("gated") or drafting every step ("forced"); `draft_lead`: SpecConfig's (None:
+    its default)."""
     from engine_ext import SpecConfig
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode in ("base", "plain"):
         return None
-    return SpecConfig(num_draft_tokens=k, gate=mode == "gated")
+    lead = {} if draft_lead is None else {"draft_lead": draft_lead}
+    return SpecConfig(num_draft_tokens=k, gate=mode == "gated", **lead)
 
 
 def outputs_digest(records: list[Record]) -> str:
@@ -412,6 +414,7 @@ def main() -> None:
     ap.add_argument("--max-rank", type=int, default=64, help="slot rank (EngineConfig.max_lora_rank's default)")
     ap.add_argument("--spec", type=int, default=4, help="draft tokens (0: plain multi-LoRA)")
     ap.add_argument("--no-gate", action="store_true")
+    ap.add_argument("--draft-lead", type=int, default=None, help="SpecConfig.draft_lead (default: its default)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=None,
                     help="modes to run on identical traffic, each over every run (default: the one --spec and "
                          "--no-gate name). base: every request on the base model; plain: multi-LoRA decoding; "
@@ -464,7 +467,8 @@ def main() -> None:
     ready_entries = _cache_entries(args.compile_cache)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
-    result = {"machine": machine(), "loop": args.loop, "shape": args.shape, "tp": args.tp, "spec": args.spec, "modes": modes, "mix": args.mix,
+    result = {"machine": machine(), "loop": args.loop, "shape": args.shape, "tp": args.tp, "spec": args.spec,
+              "draft_lead": args.draft_lead, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
               "startup": startup, "cache_entries_before": before,
               "cache_entries_ready": ready_entries, "runs": []}
@@ -486,7 +490,7 @@ def main() -> None:
 
     crashed = False
     for mode in modes:
-        engine.set_speculation(mode_spec(mode, args.spec))
+        engine.set_speculation(mode_spec(mode, args.spec, args.draft_lead))
         if args.warmup:
             warm = traffic_for(0, args.runs[0], mode, args.warmup)
             replay(engine, [dataclasses.replace(r, request_id="w" + r.request_id) for r in warm], WallClock(),

@@ -27,12 +27,19 @@ class SpecConfig:
     min_acceptance: float = 0.3
     acceptance_ema: float = 0.1
     initial_acceptance: float = 0.8
+    # Passes of a cycle the device may have queued beyond the one it runs while the host plans the next: the host
+    # waits for pass j - 1 - draft_lead to end before it takes arrivals in and plans pass j (so requests that arrive
+    # during a cycle join it), and hands out the first tokens of the passes that ended. Larger: the host's planning
+    # of a pass (about a decode step's host work) hides behind more device work, and an arrival joins later.
+    draft_lead: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in 1..16, got {self.num_draft_tokens}")
         if not 0.0 <= self.min_acceptance <= 1.0 or not 0.0 < self.acceptance_ema <= 1.0:
             raise ValueError("min_acceptance must be in [0, 1] and acceptance_ema in (0, 1]")
+        if not 0 <= self.draft_lead <= 16:
+            raise ValueError(f"draft_lead must be in 0..16, got {self.draft_lead}")
 
 
 @dataclass

@@ -45,10 +45,12 @@ class Step:
 
 class StepExecutor:
     def __init__(self, runner, slots: AdapterSlots, width: int, max_drafts: int, pass_tokens: int | None,
-                 counters: SpecStats | None = None):
+                 counters: SpecStats | None = None, lead: int = 1):
         """width: the most rows a forward holds (max_num_seqs); max_drafts: the longest draft (the lookahead);
-        pass_tokens: the most tokens a drafting step's forward takes prompts up to (the largest CUDA graph)."""
+        pass_tokens: the most tokens a drafting step's forward takes prompts up to (the largest CUDA graph); lead:
+        SpecConfig.draft_lead."""
         self.runner, self.slots, self.width, self.max_drafts = runner, slots, width, max_drafts
+        self.lead = lead
         self.pass_tokens = pass_tokens
         self.counters = counters
         self.device = slots.device
@@ -74,8 +76,9 @@ class StepExecutor:
         if step.passes and step.join is not None:
             self._between(step, planner, run, step.passes)
         self._forward(planner.verify_pass(), run, "lora" if step.passes else "plain")
-        if step.passes and step.first is not None:  # the last drafting pass's first tokens, before the verify ends
-            self._first_tokens(step, planner.plan, run, step.passes - 1)
+        if step.passes and step.first is not None:  # the drafting passes' first tokens not handed out yet
+            for j in range(self._published_through(step.passes) + 1, step.passes):
+                self._first_tokens(step, planner.plan, run, j)
         self._count(planner.plan)
         return self._flight(planner.plan, run)
 
@@ -154,17 +157,23 @@ class StepExecutor:
 
     # ------------------------------------------------------------ between passes
     def _between(self, step: Step, planner: Planner, run: _Run, j: int) -> None:
-        """Before drafting pass j (or the verify pass, j = passes): let the device get one pass ahead (wait for pass
-        j - 2), hand out the first tokens pass j - 2 drew, and take arrivals in: their prompts join the passes left."""
-        self._wait(run, j - 1)
-        if j >= 2 and step.first is not None:
-            self._first_tokens(step, planner.plan, run, j - 2)
+        """Before drafting pass j (or the verify pass, j = passes): let the device get `lead` passes ahead (wait for
+        pass j - 1 - lead to end), hand out the first tokens that pass drew, and take arrivals in: their prompts join
+        the passes left."""
+        if j - self.lead >= 0:
+            self._wait(run, j - self.lead)
+        if j - 1 - self.lead >= 0 and step.first is not None:
+            self._first_tokens(step, planner.plan, run, j - 1 - self.lead)
         seqs, rows = step.join()
         if seqs:
             run.seqs += seqs
             planner.add(rows)
             if self.counters is not None:
                 self.counters.joined += len(seqs)
+
+    def _published_through(self, passes: int) -> int:
+        """The last drafting pass whose first tokens `_between` handed out (-1: none) in a cycle of `passes`."""
+        return max(-1, passes - 1 - self.lead)
 
     def _first_tokens(self, step: Step, plan: StepPlan, run: _Run, j: int) -> None:
         rows = [r for r in plan.firsts[j] if r not in run.published]

@@ -326,7 +326,7 @@ class LLMEngine:
             spec, max_model_len=self.max_model_len, capturing=self.runner.capturing, stats=self.counters)
         self.executor = StepExecutor(self.runner, self.adapters.slots, self.config.max_num_seqs, self.lookahead,
                                      self.config.max_graph_tokens if self.config.cuda_graphs else None,
-                                     self.counters.spec)
+                                     self.counters.spec, lead=1 if spec is None else spec.draft_lead)
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Prefix caching on (fresh counters) or off for requests added from now on (EngineConfig's setting at start;

@@ -119,6 +119,7 @@ def test_engine_config_is_built_from_the_section(tmp_path):
         ({"model": "/x"}, "top-level `model`"),
         ({"speculative": {"k": 4}}, "engine.speculative: unknown field(s) ['k']"),
         ({"speculative": {"num_draft_tokens": 40}}, "num_draft_tokens must be in 1..16"),
+        ({"speculative": {"draft_lead": -1}}, "draft_lead must be in 0..16"),
         ({"lora_backend": "fast"}, "unknown lora_backend 'fast'"),
         ({"cuda_graphs": True}, "cuda_graphs needs a CUDA device"),
         ({"max_loras": "many"}, "engine.max_loras must be int"),

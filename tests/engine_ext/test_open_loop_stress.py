@@ -20,7 +20,11 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 # Nine adapters over three device slots, near to far from the base, ranks 4 to 32.
 ADAPTERS = {f"ad{i}": dict(r=(4, 8, 16, 32)[i % 4], target_modules=ALL if i % 2 else ("q_proj", "v_proj"),
                            std=(0.01, 0.03, 0.08)[i % 3]) for i in range(9)}
-MODES = {"plain": None, "gated-k4": SpecConfig(num_draft_tokens=4), "forced-k3": SpecConfig(num_draft_tokens=3, gate=False)}
+# The draft_lead variants: the host waiting for each pass (0), and planning a cycle's passes with up to three queued
+# ahead of the device, its prompts' first tokens mostly handed out at the cycle's end (3).
+MODES = {"plain": None, "gated-k4": SpecConfig(num_draft_tokens=4), "forced-k3": SpecConfig(num_draft_tokens=3, gate=False),
+         "gated-k4-lead0": SpecConfig(num_draft_tokens=4, draft_lead=0),
+         "forced-k4-lead3": SpecConfig(num_draft_tokens=4, gate=False, draft_lead=3)}
 
 
 @pytest.fixture(scope="module", autouse=True)
