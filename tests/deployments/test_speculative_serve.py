@@ -161,7 +161,8 @@ def served():
 def test_greedy_outputs_with_speculation_equal_plain_decoding(served):
     on, off = served["spec-on"], served["spec-off"]
     assert on["engine"]["speculative"] == {"num_draft_tokens": 4, "gate": True, "min_acceptance": 0.3,
-                                           "acceptance_ema": 0.1, "initial_acceptance": 0.8}
+                                           "acceptance_ema": 0.1, "initial_acceptance": 0.8,
+                                           "draft_lead": 1}
     assert off["engine"]["speculative"] is None
     reqs = on["reqs"]
     assert len(reqs) >= 20 and len({m for m, *_ in reqs}) == 4 and {s for *_, s in reqs} == {True, False}
