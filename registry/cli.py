@@ -1,5 +1,6 @@
 """Operator CLI `lora-registry` of the adapter registry: push adapter directories (upload with a progress
-bar, resumable, then register), write an example adapter, list, show, promote, canary, rollback, disable,
+bar, resumable, then register), write an example adapter, list, show, promote, canary (by hand, or an automatic
+rollout judged on measurements: `canary start|status|abort`, with `golden` prompts), rollback, disable,
 enable, retire, delete, collect garbage, report the upload area, read the audit log and register base models.
 
 Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (the server root, e.g.
