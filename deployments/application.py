@@ -13,6 +13,7 @@ from typing import Any
 from ray.serve.config import RequestRouterConfig
 
 from deployments.bootstrap import bootstrap
+from deployments.canary import CanaryControllerDeployment
 from deployments.config import AppConfig, load_config
 from deployments.data_plane.ingress import OpenAIIngress
 from deployments.replica.llm_deployment import LLMDeployment
@@ -48,11 +49,15 @@ def bind_app(cfg: AppConfig):
         health_check_timeout_s=cfg.health_check_timeout_s,
         **resources,
     ).bind(cfg.model_dump(mode="json"), placement)
+    canary = None
+    if cfg.canary.enabled and placement is not None:  # it reads the replicas' reports through the placement controller
+        canary = CanaryControllerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
+            cfg.model_dump(mode="json"), llm, placement)
     return OpenAIIngress.options(
         num_replicas=cfg.ingress_replicas,
         max_ongoing_requests=max(256, 4 * cfg.max_ongoing_requests * cfg.num_replicas),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
-    ).bind(llm, cfg.model_dump(mode="json"), placement)
+    ).bind(llm, cfg.model_dump(mode="json"), placement, canary)
 
 
 def build_app(args: dict[str, Any]):

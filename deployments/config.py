@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from router.placement import PlacementConfig
 from router.policy import AffinityConfig
 
-__all__ = ["AppConfig", "ConfigError", "RateSpec", "RefusalHoldSpec", "load_config", "DEFAULT_API_KEY",
+__all__ = ["AppConfig", "CanaryConfig", "ConfigError", "RateSpec", "RefusalHoldSpec", "load_config", "DEFAULT_API_KEY",
            "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,16 @@ class RefusalHoldSpec(BaseModel):
                           "lasts after its last request; 0: never benched")
     after: int = Field(20, ge=0, description="4xx answers to one caller within a second before it is benched")
     max_held: int = Field(64, ge=0, description="answers held at a time per ingress replica; more are answered at once")
+
+
+class CanaryConfig(BaseModel):
+    """The rollout controller (deployments.canary): automatic canary analysis, promotion and rollback."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = Field(True, description="run the rollout controller (it reads the replicas' reports through the "
+                          "placement controller, so it runs only with placement_controller)")
+    period_s: float = Field(1.0, gt=0, description="how often each running rollout's window is looked at")
+    golden_timeout_s: float = Field(60.0, gt=0, description="longest wait for one golden prompt's answer")
 
 
 class AppConfig(BaseModel):
@@ -91,6 +101,7 @@ class AppConfig(BaseModel):
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description=(
         "router.placement.PlacementConfig fields, checked by PlacementConfig itself"))
     placement_period_s: float = Field(1.0, gt=0, description="re-plan, report and replica sync period")
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="automatic rollouts (CanaryConfig fields)")
     push_residency: bool = Field(
         True, description="replicas push their adapter ids to Serve's controller on every load (both routers see it)"
     )

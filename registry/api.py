@@ -7,7 +7,7 @@ auth). Every refused mutation is in the audit log as `{action}_rejected` (who, w
 body's shape too; a store out of reach is a 503 with Retry-After."""
 
 import logging
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Literal
 
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,10 +20,13 @@ from starlette.requests import ClientDisconnect
 from registry.api_docs import api_docs_page
 from registry.auth import Principal, TokenAuth, tokens_from_env
 from registry.base_model import BaseModelSpec
+from registry.canary_analysis import judge, window, window_closed
+from registry.canary_policy import MAX_GOLDEN, GoldenPrompt, RolloutPolicy
 from registry.errors import (AdapterNotFound, PermissionDenied, RegistryError, RegistryUnavailable,
                              RegistryValidationError)
 from registry.records import AdapterRecord, AdapterState, AuditEntry, Visibility
 from registry.registry import Registry
+from registry.rollout_state import Rollout
 from registry.uploads import UploadArea, UploadAreaUsage, UploadStatus
 
 __all__ = ["create_app"]
@@ -63,6 +66,39 @@ class PromoteRequest(_Body):
 class CanaryRequest(_Body):
     version: Version
     weight: float = Field(gt=0.0, lt=1.0, strict=True, description="share of requests served by the canary version")
+
+
+class GoldenRequest(_Body):
+    prompts: list[GoldenPrompt] = Field(max_length=MAX_GOLDEN, description="replace the version's golden prompts "
+                                        "([] removes them)")
+
+
+class RolloutRequest(_Body):
+    version: Version
+    policy: RolloutPolicy = Field(default_factory=RolloutPolicy, description="steps, window and thresholds; each "
+                                  "field not given takes its default")
+
+
+class RolloutWindow(BaseModel):
+    """The running step's window so far, from the replicas' latest reports."""
+
+    step: int
+    weight: float
+    elapsed_s: float
+    closed: bool = Field(description="the window has its requests and its seconds: it is judged at the next tick")
+    canary: dict
+    stable: dict
+    checks: list[dict] = Field(description="the thresholds applied to the window as it is now")
+
+
+class RolloutStatus(BaseModel):
+    name: str
+    active_version: int | None
+    canary_version: int | None
+    canary_weight: float
+    rollout: Rollout | None
+    window: RolloutWindow | None = Field(None, description="null unless a step is running and the replicas' "
+                                         "reports are known here")
 
 
 class BaseModelRequest(_Body):
@@ -144,7 +180,12 @@ def _require_admin(p: Principal) -> None:
         raise PermissionDenied(f"{p.name} (role {p.role}) may not do this; admin only")
 
 
-def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None = None) -> FastAPI:
+def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None = None,
+               golden: Callable[[AdapterRecord, list], list[dict]] | None = None,
+               replica_reports: Callable[[], dict] | None = None) -> FastAPI:
+    """`golden(record, prompts)`: runs golden prompts on a version (the served app's data plane; None: a control
+    plane alone, which refuses rollouts of versions that have golden prompts). `replica_reports()`: replica id ->
+    its latest report, for the live window of `GET .../rollout` (None: not shown)."""
     registry = registry or Registry.from_settings()
     auth = TokenAuth(tokens_from_env() if tokens is None else tokens)
     Caller = Annotated[Principal, Depends(auth)]
@@ -296,6 +337,45 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
                        force: Annotated[bool, Query(description="even with an active version")] = False):
         owned_state(p, name)
         return registry.delete_adapter(name, force=force, actor=p.name)
+
+    def rollout_status(state: AdapterState) -> RolloutStatus:
+        r, live = state.rollout, None
+        reports = replica_reports() if replica_reports is not None and r is not None and r.phase == "running" else None
+        if reports is not None:
+            c = window(reports, r.baseline, f"{state.name}@{r.version}")
+            s = window(reports, r.baseline, f"{state.name}@{r.stable_version}")
+            elapsed = max(0.0, registry._clock() - (r.step_started_at or 0.0))
+            live = RolloutWindow(step=r.step, weight=r.weight, elapsed_s=elapsed,
+                                 closed=window_closed(r.policy, c, s, elapsed), canary=c.summary(), stable=s.summary(),
+                                 checks=[ch.model_dump() for ch in judge(r.policy.thresholds, c, s)])
+        return RolloutStatus(name=state.name, active_version=state.active_version,
+                             canary_version=state.canary_version, canary_weight=state.canary_weight, rollout=r,
+                             window=live)
+
+    @app.put("/v1/adapters/{name}/versions/{version}/golden", response_model=AdapterRecord)
+    def set_golden(name: Name, version: Annotated[int, Path(ge=1, le=MAX_INT)], body: GoldenRequest, p: Caller):
+        """The version's golden prompts: a rollout to it runs them on the stable version first (they must pass
+        there), on the canary before its first step and at every step; a failure rolls it back."""
+        owned_state(p, name)
+        return registry.set_golden(name, version, body.prompts, actor=p.name).versions[version]
+
+    @app.post("/v1/adapters/{name}/rollout", status_code=201, response_model=RolloutStatus)
+    def rollout_start(name: Name, body: RolloutRequest, p: Caller):
+        """Roll `version` out automatically: golden prompts, then each traffic step's window judged against the
+        active version, then promotion; a failed check rolls it back. 409 while another rollout or a canary runs."""
+        owned_state(p, name)
+        return rollout_status(registry.start_rollout(name, body.version, body.policy, actor=p.name,
+                                                     check_golden=golden))
+
+    @app.get("/v1/adapters/{name}/rollout", response_model=RolloutStatus)
+    def get_rollout(name: Name, p: Caller):
+        """The latest rollout: its steps with the numbers that decided each, and the running step's window."""
+        return rollout_status(show(name, p))
+
+    @app.post("/v1/adapters/{name}/rollout/abort", response_model=RolloutStatus)
+    def rollout_abort(name: Name, p: Caller):
+        owned_state(p, name)
+        return rollout_status(registry.abort_rollout(name, actor=p.name))
 
     @app.post("/v1/gc", response_model=GcResult)
     def collect_garbage(p: Caller):

@@ -1,5 +1,6 @@
 """Operator CLI `lora-registry` of the adapter registry: push adapter directories (upload with a progress
-bar, resumable, then register), write an example adapter, list, show, promote, canary, rollback, disable,
+bar, resumable, then register), write an example adapter, list, show, promote, canary (by hand, or an automatic
+rollout judged on measurements: `canary start|status|abort`, with `golden` prompts), rollback, disable,
 enable, retire, delete, collect garbage, report the upload area, read the audit log and register base models.
 
 Talks to the control plane over HTTP when --url/LORA_REGISTRY_URL is set (the server root, e.g.
@@ -124,6 +125,14 @@ class HttpBackend:
     def retire(self, name: str, version: int) -> Any:
         return self._call("POST", f"/v1/adapters/{name}/versions/{version}/retire")
 
+    def golden(self, name: str, version: int, prompts: list) -> Any:
+        return self._call("PUT", f"/v1/adapters/{name}/versions/{version}/golden", json={"prompts": prompts})
+
+    def rollout(self, name: str, verb: str, body: dict | None = None) -> Any:
+        if verb == "status":
+            return self._call("GET", f"/v1/adapters/{name}/rollout")
+        return self._call("POST", f"/v1/adapters/{name}/rollout" + ("" if verb == "start" else f"/{verb}"), json=body)
+
     def delete(self, name: str, version: int | None, force: bool) -> Any:
         path = f"/v1/adapters/{name}" + (f"/versions/{version}" if version is not None else "")
         return self._call("DELETE", path, params={"force": str(force).lower()})
@@ -189,6 +198,23 @@ class LocalBackend:
 
     def retire(self, name: str, version: int) -> Any:
         return self._reg.retire(name, version, actor=self._actor).model_dump(mode="json")
+
+    def golden(self, name: str, version: int, prompts: list) -> Any:
+        return self._reg.set_golden(name, version, prompts, actor=self._actor).versions[version].model_dump(mode="json")
+
+    def rollout(self, name: str, verb: str, body: dict | None = None) -> Any:
+        """Direct mode has no data plane: no golden prompts can be run (a version with some is refused) and the
+        status has no live window."""
+        from registry.api import RolloutStatus
+
+        if verb == "start":
+            state = self._reg.start_rollout(name, body["version"], body.get("policy"), actor=self._actor)
+        elif verb == "abort":
+            state = self._reg.abort_rollout(name, actor=self._actor)
+        else:
+            state = self._reg.get(name)
+        return RolloutStatus(name=state.name, active_version=state.active_version, canary_version=state.canary_version,
+                             canary_weight=state.canary_weight, rollout=state.rollout).model_dump(mode="json")
 
     def delete(self, name: str, version: int | None, force: bool) -> Any:
         if version is None:
@@ -306,10 +332,26 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("promote", help="make a version the active one")
     sp.add_argument("name")
     sp.add_argument("version", type=int)
-    sp = sub.add_parser("canary", help="serve a version to a share of requests beside the active one")
+    sp = sub.add_parser("canary", help="serve a version to a share of requests beside the active one (NAME VERSION "
+                        "WEIGHT), or roll it out automatically (start NAME VERSION, status NAME, abort NAME)",
+                        description="canary NAME VERSION WEIGHT: a canary set by hand. canary start NAME VERSION: an "
+                        "automatic rollout (traffic steps, each judged against the active version, then promotion "
+                        "or rollback). canary status NAME: its steps, windows and comparison. canary abort NAME.")
+    sp.add_argument("words", nargs="+", metavar="ARG", help="NAME VERSION WEIGHT | start NAME VERSION | status NAME "
+                    "| abort NAME")
+    sp.add_argument("--steps", help="start: canary weights, comma-separated, rising (default 0.05,0.25,0.5)")
+    sp.add_argument("--window-requests", type=int, help="start: canary requests per step's window (default 100)")
+    sp.add_argument("--window-s", type=float, help="start: seconds per step's window at least (default 60)")
+    sp.add_argument("--min-stable-requests", type=int, help="start: stable requests per window (default 10)")
+    sp.add_argument("--step-timeout-s", type=float, help="start: a window not filled by then rolls back")
+    sp.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
+                    help="start: a threshold (registry.canary_policy.Thresholds), repeatable, e.g. ttft_p99_ratio=3")
+    sp.add_argument("--policy", help="start: a JSON file with the whole policy (the flags above override it)")
+    sp = sub.add_parser("golden", help="register a version's golden prompts from a JSON file (a list of {prompt or "
+                        "messages, max_tokens, and one of exact, regex, json_schema}); [] removes them")
     sp.add_argument("name")
     sp.add_argument("version", type=int)
-    sp.add_argument("weight", type=float, help="share of requests, in (0, 1)")
+    sp.add_argument("file", help="JSON file, or - for stdin")
     sp = sub.add_parser("rollback", help="back to the previous active version (ends a canary)")
     sp.add_argument("name")
     sp = sub.add_parser("disable", help="refuse every request for the adapter (403 model_disabled)")
@@ -366,7 +408,14 @@ def _dispatch(args, backend, settings: RegistrySettings) -> Any:
         case "promote":
             return backend.action(args.name, "promote", {"version": args.version})
         case "canary":
-            return backend.action(args.name, "canary", {"version": args.version, "weight": args.weight})
+            return _canary(args, backend)
+        case "golden":
+            text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+            try:
+                prompts = json.loads(text)
+            except ValueError as e:
+                raise CliError(f"{args.file}: not JSON: {e}") from None
+            return backend.golden(args.name, args.version, prompts)
         case "rollback" | "disable" | "enable":
             return backend.action(args.name, args.command)
         case "retire":
@@ -382,6 +431,59 @@ def _dispatch(args, backend, settings: RegistrySettings) -> Any:
             config = json.loads((Path(args.model_dir) / "config.json").read_text())
             return backend.base_model(args.name, config)
     raise CliError(f"unknown command {args.command}")
+
+
+def _number(text: str) -> float | int:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise CliError(f"{text!r} is not a number") from None
+
+
+def _canary(args, backend) -> Any:
+    words = args.words
+    if words[0] in ("status", "abort") and len(words) == 2:
+        verb = words[0]
+    elif words[0] == "start" and len(words) == 3 and not _is_weight(words[2]):
+        verb = "start"
+    else:
+        verb = None  # NAME VERSION WEIGHT: a canary set by hand
+    if verb is None:
+        if len(words) != 3:
+            raise CliError("usage: canary NAME VERSION WEIGHT | canary start NAME VERSION | canary status NAME | "
+                           "canary abort NAME")
+        return backend.action(words[0], "canary", {"version": _version(words[1]), "weight": float(_number(words[2]))})
+    if verb != "start":
+        return backend.rollout(words[1], verb)
+    policy: dict[str, Any] = json.loads(Path(args.policy).read_text()) if args.policy else {}
+    if args.steps:
+        policy["steps"] = [_number(w) for w in args.steps.split(",") if w.strip()]
+    for flag in ("window_requests", "window_s", "min_stable_requests", "step_timeout_s"):
+        if getattr(args, flag) is not None:
+            policy[flag] = getattr(args, flag)
+    for item in args.threshold:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--threshold takes NAME=VALUE, got {item!r}")
+        policy.setdefault("thresholds", {})[key] = _number(value)
+    return backend.rollout(words[1], "start", {"version": _version(words[2]), "policy": policy})
+
+
+def _version(text: str) -> int:
+    if not text.isdigit():
+        raise CliError(f"a version is a whole number, got {text!r}")
+    return int(text)
+
+
+def _is_weight(text: str) -> bool:
+    """`canary start 2 0.5` is a hand-set canary of an adapter named "start"; `canary start NAME 2` a rollout."""
+    try:
+        return "." in text and 0 < float(text) < 1
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

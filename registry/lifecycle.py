@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from registry import rollout
 from registry.errors import AdapterNotFound, LifecycleConflict, RegistryValidationError
 from registry.records import SERVABLE_STATUSES, AdapterRecord, AdapterState, AdapterStatus
 
@@ -34,6 +35,13 @@ def restatus(state: AdapterState) -> AdapterState:
     return state.model_copy(update={"versions": versions})
 
 
+def _no_rollout(state: AdapterState, verb: str) -> None:
+    """A running rollout owns the canary pointer and weight: a hand-made change would race its analysis."""
+    if state.rollout_running():
+        raise LifecycleConflict(f"cannot {verb} {state.name}: a rollout of v{state.rollout.version} is running; "
+                                f"abort it first (lora-registry canary abort {state.name})", code="rollout_in_progress")
+
+
 def _servable(state: AdapterState, version: int, verb: str) -> AdapterRecord:
     rec = state.versions.get(version)
     if rec is None:
@@ -44,6 +52,7 @@ def _servable(state: AdapterState, version: int, verb: str) -> AdapterRecord:
 
 
 def promote(state: AdapterState, version: int) -> AdapterState:
+    _no_rollout(state, "promote")
     _servable(state, version, "promote")
     if version == state.active_version:
         raise LifecycleConflict(f"{state.name} v{version} is already active")
@@ -59,6 +68,7 @@ def promote(state: AdapterState, version: int) -> AdapterState:
 def canary(state: AdapterState, version: int, weight: float) -> AdapterState:
     if not (0.0 < weight < 1.0):
         raise RegistryValidationError(f"canary weight must be in (0, 1), got {weight}", code="bad_weight")
+    _no_rollout(state, "canary")
     _servable(state, version, "canary")
     if state.active_version is None:
         raise LifecycleConflict(f"{state.name} has no active version to canary beside; promote one first")
@@ -70,6 +80,7 @@ def canary(state: AdapterState, version: int, weight: float) -> AdapterState:
 def rollback(state: AdapterState) -> AdapterState:
     """Back to the previous active version; an in-flight canary is cancelled (it was measured against the
     version being rolled away from). The rolled-away version stays `ready` and can be promoted again."""
+    _no_rollout(state, "roll back")
     if state.active_version is None:
         raise LifecycleConflict(f"{state.name} has no active version to roll back")
     if not state.history:
@@ -91,7 +102,14 @@ def enable(state: AdapterState) -> AdapterState:
     return restatus(state.model_copy(update={"disabled": False}))
 
 
+def _not_rolling_out(state: AdapterState, version: int, verb: str) -> None:
+    if state.rollout_running() and state.rollout.version == version:
+        raise LifecycleConflict(f"cannot {verb} {state.name} v{version}: a rollout of it is running; abort it first",
+                                code="rollout_in_progress")
+
+
 def retire(state: AdapterState, version: int) -> AdapterState:
+    _not_rolling_out(state, version, "retire")
     rec = state.versions.get(version)
     if rec is None:
         raise AdapterNotFound(f"adapter {state.name!r} has no version {version}")
@@ -117,6 +135,7 @@ def delete_version(state: AdapterState, version: int, force: bool = False) -> Ad
     """Drop one version's record. The active version only with `force` (the adapter then has none active)."""
     if version not in state.versions:
         raise AdapterNotFound(f"adapter {state.name!r} has no version {version}")
+    _not_rolling_out(state, version, "delete")
     if version == state.active_version and not force:
         raise LifecycleConflict(f"cannot delete {state.name} v{version}: it is active; promote or roll back first, "
                                 f"or pass force=true")
@@ -138,6 +157,8 @@ TRANSITIONS: dict[str, Callable[..., AdapterState]] = {
     "enable": lambda s, d: enable(s),
     "retire": lambda s, d: retire(s, d["version"]),
     "delete_version": lambda s, d: delete_version(s, d["version"], d.get("force", False)),
+    "set_golden": lambda s, d: rollout.set_golden(s, d["version"], d["prompts"]),
+    **rollout.TRANSITIONS,
 }
 
 

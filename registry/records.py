@@ -13,6 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from registry.canary_policy import GoldenPrompt
+from registry.rollout_state import Rollout
+
 __all__ = [
     "AdapterStatus",
     "Visibility",
@@ -76,6 +79,8 @@ class AdapterRecord(BaseModel):
     updated_at: float = Field(default_factory=time.time)
     labels: dict[str, str] = Field(default_factory=dict)
     description: str = ""
+    golden: list[GoldenPrompt] = Field(default_factory=list, description=(
+        "prompts with the answer this version must give; a rollout to it runs them first and at every step"))
 
     def visible_to(self, tenant: str | None) -> bool:
         return self.visibility == Visibility.public or (tenant is not None and tenant == self.owner_tenant)
@@ -94,6 +99,8 @@ class AdapterState(BaseModel):
     last_version: int = Field(default=0, ge=0, description="highest version number ever issued for this name; "
                                                            "never reused, even after deletes")
     versions: dict[int, AdapterRecord] = Field(default_factory=dict)
+    rollout: Rollout | None = Field(None, description="the latest automatic rollout (registry.rollout), running or "
+                                    "ended")
 
     def head(self) -> dict[str, Any]:
         """The serving-relevant part, as recorded in the audit log's before/after."""
@@ -104,7 +111,10 @@ class AdapterState(BaseModel):
             "disabled": self.disabled,
             "history": list(self.history),
             "statuses": {str(v): r.status.value for v, r in sorted(self.versions.items())},
-        }
+        } | ({"rollout": self.rollout.summary()} if self.rollout is not None else {})
+
+    def rollout_running(self) -> bool:
+        return self.rollout is not None and self.rollout.active
 
     def next_version(self) -> int:
         # Version numbers are engine and cache keys ("name@3"): a deleted number must never come back.

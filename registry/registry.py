@@ -10,10 +10,11 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from registry import lifecycle
+from registry import lifecycle, rollout
 from registry.base_files import describe_files, select_base_files
 from registry.base_model import BaseModelSpec, load_config, spec_from_config
 from registry.blob_store import BlobStore, LocalBlobStore
@@ -386,6 +387,62 @@ class Registry:
 
     def retire(self, name: str, version: int, *, actor: str = "system") -> AdapterState:
         return self._transition(name, "retire", {"version": int(version)}, actor)
+
+    # -- automatic rollouts (registry.rollout; the controller is registry.canary_runner) --------------------
+    def set_golden(self, name: str, version: int, prompts: list, *, actor: str = "system") -> AdapterState:
+        """Register the golden prompts of one version (replacing its earlier ones; [] removes them)."""
+        given = [p.model_dump(mode="json") if hasattr(p, "model_dump") else p for p in prompts]
+        self._audited(actor, "set_golden", name, lambda: rollout.parse_golden(given))
+        return self._transition(name, "set_golden", {"version": int(version), "prompts": given}, actor)
+
+    def start_rollout(self, name: str, version: int, policy: Any = None, *, actor: str = "system",
+                      check_golden: Callable[[AdapterRecord, list], list[dict]] | None = None) -> AdapterState:
+        """Start rolling `version` out against the active version, pending its golden prompts.
+
+        Refused with nothing changed: a rollout or a hand-set canary already on the adapter (409), a policy no
+        version could pass (422), golden prompts the stable version itself fails (422: they would fail every
+        canary), and golden prompts with no data plane to run them on (`check_golden` None: 409).
+        `check_golden(record, prompts)` -> one {prompt, passed, why} per prompt, run on `record`'s version."""
+        version = int(version)
+        policy = self._audited(actor, "rollout_start", name, lambda: rollout.parse_policy(
+            policy.model_dump(mode="json") if hasattr(policy, "model_dump") else policy))
+        now = self._clock()
+        details = {"id": uuid.uuid4().hex[:12], "version": version, "policy": policy.model_dump(mode="json"),
+                   "started_at": now, "actor": actor}
+
+        def precheck() -> list:
+            state = self.get(name)
+            rollout.start(state, details)  # the same rules the commit applies, before the slow golden check
+            golden = state.versions[version].golden
+            if golden and check_golden is None:
+                raise LifecycleConflict(f"{name} v{version} has golden prompts and this control plane has no data "
+                                        f"plane to run them on; start the rollout through the served app",
+                                        code="golden_unavailable")
+            if not golden:
+                return []
+            results = check_golden(state.versions[state.active_version], golden)
+            failed = [r for r in results if not r["passed"]]
+            if failed:
+                raise RegistryValidationError(
+                    f"golden prompts of {name} v{version} fail on the stable version v{state.active_version} "
+                    f"itself, so they would fail any canary: " + "; ".join(f"{r['prompt']!r}: {r['why']}"
+                                                                           for r in failed),
+                    code="golden_fails_on_stable")
+            return results
+
+        details["stable_golden"] = self._audited(actor, "rollout_start", name, precheck)
+        return self._transition(name, "rollout_start", details, actor)
+
+    def abort_rollout(self, name: str, *, actor: str = "system", reason: str = "aborted by an operator") -> AdapterState:
+        return self._transition(name, "rollout_abort", {"ended_at": self._clock(), "reason": reason}, actor)
+
+    def advance_rollout(self, name: str, action: str, details: dict[str, Any], *,
+                        actor: str = "canary-controller") -> AdapterState:
+        """One decision of the rollout controller (rollout_step, rollout_promote, rollout_rollback), applied only
+        if the rollout is still where the decision saw it (`id`, `from_step`)."""
+        if action not in ("rollout_step", "rollout_promote", "rollout_rollback"):
+            raise ValueError(f"not a controller decision: {action}")
+        return self._transition(name, action, details, actor)
 
     # -- reads ---------------------------------------------------------------------------------------------
     def get(self, name: str) -> AdapterState:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -59,7 +60,7 @@ class ServeLLMClient:
 @serve.ingress()
 class OpenAIIngress:
     async def __init__(self, llm: DeploymentHandle, config: dict[str, Any],
-                       placement: Optional[DeploymentHandle] = None):
+                       placement: Optional[DeploymentHandle] = None, canary: Optional[DeploymentHandle] = None):
         from registry import AdapterDisabled, AdapterNotFound
         from registry.api import create_app as create_admin_app
 
@@ -74,7 +75,17 @@ class OpenAIIngress:
         self.view = RegistryView(self.registry, self.health, metrics.cached_answers)
         self.placement = None if placement is None else PlacementReporter(placement, cfg.placement_period_s,
                                                                           on_reports=self._export_reports)
-        admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}})
+        from deployments.canary import GoldenClient, RolloutReporter
+
+        llm_client = ServeLLMClient(llm, self.placement)
+        self._replica_reports: Optional[dict[str, dict[str, Any]]] = None  # the latest, for a rollout's live window
+        golden = GoldenClient(llm_client, cfg.canary.golden_timeout_s).checker(asyncio.get_running_loop())
+        admin = create_admin_app(self.registry, tokens={cfg.admin_token: {"role": "admin", "name": "admin"}},
+                                 golden=golden, replica_reports=lambda: self._replica_reports)
+        self.rollouts = None if canary is None else RolloutReporter(canary, cfg.placement_period_s, self._public)
+        if self.rollouts is not None:
+            metrics.registry.register(self.rollouts)
+            self.rollouts.start()
         rates = lambda specs: {k: (v.rate, v.burst) for k, v in specs.items()}  # noqa: E731
         limiter = RateLimiter((cfg.tenant_rate.rate, cfg.tenant_rate.burst),
                               (cfg.adapter_rate.rate, cfg.adapter_rate.burst),
@@ -84,7 +95,7 @@ class OpenAIIngress:
             base_name=cfg.base_model_name or "base",
             api_keys=dict(cfg.api_keys),
             resolver=self.view,
-            llm=ServeLLMClient(llm, self.placement),
+            llm=llm_client,
             limiter=RedisRateLimiter(redis_url, limiter, self.health) if redis_url else limiter,
             gate=ColdLoadGate(limit=cfg.cold_load_concurrency, wait_s=cfg.cold_load_wait_s),
             hold=RefusalHold(**cfg.refusal_hold.model_dump()),
@@ -117,6 +128,7 @@ class OpenAIIngress:
     def _export_reports(self, reports: dict[str, dict[str, Any]]) -> None:
         """The replicas' timer reports into /metrics, tenant-private adapters left out of an open one, like the
         series that ride on responses."""
+        self._replica_reports = reports
         self.deps.metrics.replicas.replace_all(reports, self._public())
 
     def __serve_build_asgi_app__(self):

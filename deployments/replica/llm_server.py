@@ -25,6 +25,7 @@ from deployments.replica.placement import ReplicaPlacement
 from deployments.replica.prompts import PromptShaper
 from deployments.replica.report import EngineStatsReader, replica_report
 from deployments.replica.sync import ReplicaSync
+from deployments.replica.version_stats import VersionStats
 
 __all__ = ["LLMServer"]
 
@@ -48,6 +49,7 @@ class LLMServer:
         self.sync = ReplicaSync(engine, registry, self.adapters, self.placement, self.health, self.stats,
                                 self._publish_residency)
         self.prompts = PromptShaper(engine.tokenizer, engine.max_model_len)
+        self.versions = VersionStats(clock)  # per adapter version, for the rollout analysis (in report())
         self._ongoing = 0
         self._tasks: set[asyncio.Task] = set()
         self._unsubscribe: Optional[Callable[[], None]] = None
@@ -96,6 +98,7 @@ class LLMServer:
 
         started_at = self._clock()
         self._ongoing += 1
+        track = self.versions.track(req.adapter_key, started_at, req.labels)
         try:
             hit = None
             if req.adapter_key is not None:
@@ -103,7 +106,9 @@ class LLMServer:
                     hit, load_s = await self.adapters.acquire(req.adapter_key, req.adapter_record)
                 except (AdapterBlocked, AdapterLoadFailed, RegistryUnavailable) as e:
                     self._count_failure(req, e)
-                    yield error_chunk_of(e, req)
+                    chunk = error_chunk_of(e, req)
+                    track.chunk(chunk)
+                    yield chunk
                     return
                 self.placement.note_request(req.adapter_key)
                 if load_s:
@@ -111,7 +116,11 @@ class LLMServer:
                 if not hit:
                     self._publish_residency()  # now that the engine holds it
             async for chunk in self._run_engine(req, started_at, hit):
+                track.chunk(chunk)
                 yield chunk
+        except Exception:
+            track.failed()
+            raise
         finally:
             self._ongoing -= 1
 
@@ -169,7 +178,9 @@ class LLMServer:
     def report(self) -> dict[str, Any]:
         """`snapshot` of every adapter the engine has counters for: what the replica sends on a timer."""
         keys = sorted(self.stats.latest.get("adapters") or {})
-        return replica_report(self.stats.latest, self.stats.seq, keys, len(self.adapters.known()))
+        report = replica_report(self.stats.latest, self.stats.seq, keys, len(self.adapters.known()))
+        report["versions"] = self.versions.report()
+        return report
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What `router.AffinityRouter` ranks on (Serve polls this every routing_stats_period_s)."""

@@ -140,7 +140,7 @@ def test_help_names_every_command_and_says_what_each_does():
     assert "register base models." in text  # the whole description, not its first line cut off
     (sub,) = [a for a in parser._actions if a.dest == "command"]  # noqa: SLF001 - argparse keeps them there
     helps = {c.dest: c.help for c in sub._choices_actions}  # noqa: SLF001
-    assert set(helps) == set(sub.choices) and len(helps) == 15 and all(helps.values()), helps
+    assert set(helps) == set(sub.choices) and len(helps) == 16 and all(helps.values()), helps
     for name in sub.choices:
         assert name in text
 

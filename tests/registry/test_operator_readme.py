@@ -44,6 +44,12 @@ def test_operator_walk_runs_as_printed_from_an_empty_directory(serve_app, tmp_pa
     assert [(e["action"], e["version"]) for e in audit][:10] == [
         ("delete_adapter", None), ("delete_version", 2), ("enable", None), ("disable", None),
         ("rollback", None), ("promote", 2), ("canary", 2), ("register", 2), ("promote", 1), ("register", 1)]
+    # the automatic rollout: golden prompts set, a refused policy, two steps, then the promotion, in the audit log
+    faq = httpx.get(f"{serve_app.base_url}/admin/v1/audit", headers=auth, params={"name": "faq"}).json()
+    assert [e["action"] for e in faq][:6] == ["rollout_promote", "rollout_step", "rollout_step", "rollout_start",
+                                             "rollout_start_rejected", "set_golden"]
+    assert faq[0]["details"]["result"]["canary"]["requests"] >= 5 and faq[0]["after"]["active_version"] == 2
+    assert "rollout_promote" not in [e["action"] for e in faq[1:]]
     uploads = Path(serve_app.registry.settings.upload_dir)
     assert audit[9]["details"]["source_uri"].startswith(str(uploads))  # v1: the CLI upload
     assert audit[7]["details"]["source_uri"] == str(uploads / "support-v2-upload")  # v2: the raw HTTP upload
