@@ -256,7 +256,7 @@ def autoscaling(url: str, cfg) -> dict:
         down = mn.wait_for(lambda: mn.running_replicas() == 1 and len(mn.placement_view(url)["replicas"]) == 1,
                            timeout=90)
         report["down_after_load_s"] = round(time.monotonic() - load_ended, 1) if down else None
-        after = run_load(url, traffic(40, seed=200, base=cfg.base_model_name), concurrency=4)
+        after = run_load(url, traffic(30, seed=200, base=cfg.base_model_name), concurrency=1)  # (one replica's worth)
         outcomes += after
     finally:
         stop.set()
