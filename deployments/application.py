@@ -31,7 +31,7 @@ def bind_app(cfg: AppConfig):
     placement = None
     if cfg.placement_controller:
         placement = PlacementControllerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
-            cfg.placement, cfg.max_loras, cfg.max_cpu_loras, cfg.placement_period_s)
+            cfg.placement, cfg.max_loras, cfg.max_cpu_loras, cfg.placement_period_s, cfg.placement_replica_ttl_s)
     if cfg.affinity_router:
         router = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=dataclasses.asdict(cfg.router),
                                      request_routing_stats_period_s=cfg.routing_stats_period_s)
@@ -41,8 +41,11 @@ def bind_app(cfg: AppConfig):
         runtime_env["py_executable"] = launcher_command()
     resources = llm_replica_resources(cfg)  # with tensor parallelism, a placement group of one bundle per rank
     resources["ray_actor_options"] |= {"runtime_env": runtime_env}
+    # fixed: num_replicas; autoscaled: Serve's autoscaling_config (then num_replicas must be left unset)
+    scaling = ({"num_replicas": cfg.num_replicas} if cfg.autoscaling is None
+               else {"autoscaling_config": cfg.autoscaling.model_dump(exclude_none=True)})
     llm = LLMDeployment.options(
-        num_replicas=cfg.num_replicas,
+        **scaling,
         max_ongoing_requests=cfg.max_ongoing_requests,
         request_router_config=router,
         health_check_period_s=cfg.health_check_period_s,
@@ -55,7 +58,7 @@ def bind_app(cfg: AppConfig):
             cfg.model_dump(mode="json"), llm, placement)
     return OpenAIIngress.options(
         num_replicas=cfg.ingress_replicas,
-        max_ongoing_requests=max(256, 4 * cfg.max_ongoing_requests * cfg.num_replicas),
+        max_ongoing_requests=max(256, 4 * cfg.max_ongoing_requests * cfg.max_llm_replicas),
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
     ).bind(llm, cfg.model_dump(mode="json"), placement, canary)
 

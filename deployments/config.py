@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from router.placement import PlacementConfig
 from router.policy import AffinityConfig
 
-__all__ = ["AppConfig", "CanaryConfig", "ConfigError", "RateSpec", "RefusalHoldSpec", "load_config", "DEFAULT_API_KEY",
-           "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
+__all__ = ["AppConfig", "AutoscalingSpec", "CanaryConfig", "ConfigError", "RateSpec", "RefusalHoldSpec", "load_config",
+           "DEFAULT_API_KEY", "DEFAULT_ADMIN_TOKEN", "ENV_PREFIX"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,30 @@ class CanaryConfig(BaseModel):
     golden_timeout_s: float = Field(60.0, gt=0, description="longest wait for one golden prompt's answer")
 
 
+class AutoscalingSpec(BaseModel):
+    """Serve's autoscaling of the LLM deployment (its `autoscaling_config`): replicas are added while the
+    requests in flight per replica stay above `target_ongoing_requests` for `upscale_delay_s`, and removed
+    while they stay below it for `downscale_delay_s`. The placement controller takes a new replica in at its
+    first heartbeat and a removed one out when it drains (its homes move to the others)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    min_replicas: int = Field(1, ge=0)
+    initial_replicas: Optional[int] = Field(None, ge=0, description="None: min_replicas")
+    max_replicas: int = Field(4, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0, description="requests in flight per replica Serve aims at")
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load")
+    look_back_period_s: float = Field(30.0, gt=0, description="the window the load is averaged over")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSpec":
+        start = self.min_replicas if self.initial_replicas is None else self.initial_replicas
+        if not self.min_replicas <= start <= self.max_replicas:
+            raise ValueError("need min_replicas <= initial_replicas <= max_replicas")
+        return self
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -88,7 +112,12 @@ class AppConfig(BaseModel):
     torch_threads: int = Field(1, ge=1, description="torch threads per replica (CPU)")
 
     # --- replicas -------------------------------------------------------------------
-    num_replicas: int = Field(2, ge=1, description="LLM replicas")
+    num_replicas: int = Field(2, ge=1, description="LLM replicas (without `autoscaling`)")
+    autoscaling: Optional[AutoscalingSpec] = Field(None, description=(
+        "autoscale the LLM deployment between min_replicas and max_replicas; None: num_replicas, fixed"))
+    replica_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "custom Ray resources each LLM replica needs besides CPUs and GPUs (ray_actor_options.resources): e.g. "
+        "{\"llm_slot\": 1} with each node started with --resources '{\"llm_slot\": N}' holds N replicas a node"))
     num_cpus_per_replica: float = Field(0.5, ge=0)
     num_gpus_per_replica: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(32, ge=1, description="per LLM replica")
@@ -102,6 +131,9 @@ class AppConfig(BaseModel):
         "router.placement.PlacementConfig fields, checked by PlacementConfig itself"))
     placement_period_s: float = Field(1.0, gt=0, description="re-plan, report and replica sync period")
     canary: CanaryConfig = Field(default_factory=CanaryConfig, description="automatic rollouts (CanaryConfig fields)")
+    placement_replica_ttl_s: float = Field(10.0, gt=0, description=(
+        "a replica whose heartbeat is this late leaves the plan (its node lost, say): its pinned adapters get "
+        "a new second home on a live replica"))
     push_residency: bool = Field(
         True, description="replicas push their adapter ids to Serve's controller on every load (both routers see it)"
     )
@@ -183,6 +215,11 @@ class AppConfig(BaseModel):
 
     def uses_default_admin_token(self) -> bool:
         return self.admin_token == DEFAULT_ADMIN_TOKEN
+
+    @property
+    def max_llm_replicas(self) -> int:
+        """The most LLM replicas that may run at once."""
+        return self.num_replicas if self.autoscaling is None else self.autoscaling.max_replicas
 
     @property
     def max_loras(self) -> int:

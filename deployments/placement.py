@@ -46,16 +46,39 @@ class PlacementControllerDeployment:
                                               replica_ttl_s=replica_ttl_s)
         self.period_s = period_s
         self._reports: dict[str, dict[str, Any]] = {}  # replica id -> its latest LLMServer.report()
-        self.controller.plan()
+        self._last: Optional[PlacementView] = None
+        self._plan()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.period_s)
             try:
-                self.controller.plan()
+                self._plan()
             except Exception:  # noqa: BLE001 - keep the last plan; try again next period
                 logger.exception("placement plan failed")
+
+    def _plan(self, left: Optional[str] = None) -> None:
+        """Plan, and log each change of the replica set with the homes it moved (what an operator reads when a
+        node is lost or Serve scales)."""
+        view = self.controller.plan()
+        before, self._last = self._last, view
+        if before is None or before.replicas == view.replicas:
+            return
+        gone, new = set(before.replicas) - set(view.replicas), set(view.replicas) - set(before.replicas)
+        moved = sorted(f for f, a in view.adapters.items() if a["tier"] != TIER_NAMES[-1]
+                       and set(a["homes"]) != set(before.homes(f)))
+        for rid in sorted(gone):
+            how = "left (shutting down)" if rid == left else \
+                f"missed heartbeats for {self.controller.replica_ttl_s:g} s (its node lost?)"
+            logger.warning("placement: replica %s %s; plan v%d over %d replicas", rid, how, view.version,
+                           len(view.replicas))
+        for rid in sorted(new):
+            logger.info("placement: replica %s joined; plan v%d over %d replicas", rid, view.version,
+                        len(view.replicas))
+        if moved:
+            logger.info("placement: pinned/warm adapters with new homes: %s", ", ".join(moved[:20])
+                        + (f" (+{len(moved) - 20} more)" if len(moved) > 20 else ""))
 
     async def report(self, counts: dict[str, float]) -> None:
         self.controller.report(counts)
@@ -67,8 +90,16 @@ class PlacementControllerDeployment:
         if report is not None:
             self._reports[replica_id] = report
         if not known:  # a new replica: plan now rather than a period later
-            self.controller.plan()
+            self._plan()
         return replica_share(self.controller.view, replica_id)
+
+    async def leave(self, replica_id: str) -> None:
+        """A replica that is shutting down (Serve scaled it in, or replaced it): out of the plan now, so its homes
+        move to the others at once rather than when its heartbeat is `replica_ttl_s` late."""
+        if replica_id in self.controller.live_replicas():
+            self.controller.forget_replica(replica_id)
+            self._reports.pop(replica_id, None)
+            self._plan(left=replica_id)
 
     async def view(self) -> dict[str, Any]:
         return self.controller.view.to_json()

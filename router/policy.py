@@ -153,7 +153,8 @@ def rank_for_base(replicas: Sequence[ReplicaState], rng: Optional[random.Random]
 
 def rank_replicas(residency: Sequence[int], is_home: Sequence[bool], loads: Sequence[int], load_bound: float,
                   load_bound_floor: int = 2, full: Optional[Sequence[bool]] = None,
-                  prefix_sent: Optional[Sequence[Optional[float]]] = None) -> list[int]:
+                  prefix_sent: Optional[Sequence[Optional[float]]] = None,
+                  totals: Optional[tuple[float, int]] = None) -> list[int]:
     """Replica indices, best first, for one request for an adapter (the placement-aware score).
 
     residency[i] is `RESIDENT_DEVICE` > `RESIDENT_HOST` > `RESIDENT_NONE`; `is_home[i]` says
@@ -163,11 +164,15 @@ def rank_replicas(residency: Sequence[int], is_home: Sequence[bool], loads: Sequ
     cannot push a replica past its share while others have room. Within each group: holders of
     the adapter first, among them the one sent the request's prompt prefix last (`prefix_sent[i]`:
     when, None: never or forgotten), then residency, then home, then load.
+
+    `totals` = (requests in flight, replicas) of the whole cluster when the lists cover only some of its
+    replicas (the simulator's candidates on a large cluster): the bound is the cluster's, not the subset's.
     """
     n = len(loads)
     if n == 0:
         return []
-    bound = max(load_bound_floor, math.ceil(load_bound * (sum(loads) + 1) / n))
+    in_flight, replicas = totals if totals is not None else (sum(loads), n)
+    bound = max(load_bound_floor, math.ceil(load_bound * (in_flight + 1) / replicas))
     over = [loads[i] >= bound or (full is not None and full[i]) for i in range(n)]
     never = float("inf")
     recent = [never if prefix_sent is None or prefix_sent[i] is None or residency[i] == RESIDENT_NONE

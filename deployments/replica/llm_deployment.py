@@ -45,6 +45,7 @@ class LLMDeployment:
         sync = None
         if placement is not None:  # a handle to PlacementControllerDeployment
             sync = lambda rid, report: placement.sync.remote(rid, report)  # noqa: E731 - awaiting gives the result
+        self._placement = placement
         self.server = LLMServer(cfg, engine, registry, replica_id, publish, placement_sync=sync)
         await self.server.start()
         if cfg.gc_freeze:  # this process serves one engine for its life: its start-up heap is permanent
@@ -87,6 +88,11 @@ class LLMDeployment:
 
     async def __del__(self):
         await self.server.stop()
+        if self._placement is not None:  # drained (Serve stops routing here first): out of the plan now
+            try:
+                await asyncio.wait_for(self._placement.leave.remote(self.server.replica_id), timeout=5)
+            except Exception:  # noqa: BLE001 - the controller's heartbeat TTL takes it out anyway
+                pass
         self.server.engine.shutdown()
 
 

@@ -20,9 +20,11 @@ def llm_replica_resources(cfg: Any) -> dict[str, Any]:
     size = cfg.engine["tensor_parallel_size"]
     cpus, gpus = cfg.num_cpus_per_replica, cfg.num_gpus_per_replica
     actor = {"num_cpus": cpus, "num_gpus": gpus * size}
+    if cfg.replica_resources:  # custom resources, on the replica actor (rank 0) only
+        actor["resources"] = dict(cfg.replica_resources)
     if size == 1:
         return {"ray_actor_options": actor}
-    first = {"CPU": cpus} | ({"GPU": gpus * size} if gpus else {})
+    first = {"CPU": cpus} | ({"GPU": gpus * size} if gpus else {}) | dict(cfg.replica_resources)
     return {"ray_actor_options": actor,
             "placement_group_bundles": [first] + [{"CPU": cpus} for _ in range(size - 1)],
             "placement_group_strategy": "STRICT_PACK"}

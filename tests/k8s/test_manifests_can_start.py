@@ -91,8 +91,9 @@ def test_gpu_requests_match_the_replicas_and_autoscaling_fits_the_group(containe
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     _, cfg = serve_config()
     (llm,) = [d for d in cfg["applications"][0]["deployments"] if d["name"] == "LLMServer"]
-    scaling = llm["autoscaling_config"]
-    assert llm["num_replicas"] == "auto" and "ray_actor_options" not in llm  # the app sets its actor options
+    # the app's own config autoscales (AppConfig.autoscaling), not a Serve override beside it
+    scaling = cfg["applications"][0]["args"]["autoscaling"]
+    assert "num_replicas" not in llm and "autoscaling_config" not in llm and "ray_actor_options" not in llm
     assert 1 <= scaling["min_replicas"] <= scaling["initial_replicas"] <= scaling["max_replicas"]
     assert scaling["max_replicas"] * gpus <= group["maxReplicas"] and cluster["enableInTreeAutoscaling"]
 

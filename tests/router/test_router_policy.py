@@ -191,3 +191,25 @@ def test_assignment_memory_expires():
     mem.note("x", "r0")
     clock.t += 6
     assert mem.adapters_on("r0", frozenset(), None) == frozenset()
+
+
+def test_rank_replicas_over_candidates_with_the_clusters_totals_picks_as_over_all():
+    """The simulator's large-cluster path: ranking only homes, holders and the least loaded replica, with the
+    whole cluster's in-flight total for the bound, picks the replica the full ranking puts first."""
+    import random
+
+    from router.policy import RESIDENT_DEVICE, RESIDENT_HOST, RESIDENT_NONE, rank_replicas
+
+    rng = random.Random(7)
+    for _ in range(500):
+        n = rng.randrange(3, 40)
+        loads = [rng.randrange(0, 6) for _ in range(n)]
+        res = [rng.choice([RESIDENT_NONE] * 6 + [RESIDENT_HOST, RESIDENT_DEVICE]) for _ in range(n)]
+        home = [rng.random() < 0.1 for _ in range(n)]
+        full = rank_replicas(res, home, loads, 1.6, 2)[0]
+        cand = sorted({i for i in range(n) if home[i] or res[i] != RESIDENT_NONE}
+                      | {min(range(n), key=loads.__getitem__)})
+        sub = rank_replicas([res[i] for i in cand], [home[i] for i in cand], [loads[i] for i in cand], 1.6, 2,
+                            totals=(sum(loads), n))[0]
+        assert cand[sub] == full or (loads[cand[sub]] == loads[full] and res[cand[sub]] == res[full]
+                                     and home[cand[sub]] == home[full])
