@@ -141,6 +141,17 @@ def apply_sources(rows: torch.Tensor, tables: torch.Tensor, block_size: int, tok
         rows[POS] = pos
 
 
+def advance_forward(ids: torch.Tensor, positions: torch.Tensor, kv_slots: torch.Tensor, token_seq: torch.Tensor,
+                    tables: torch.Tensor, block_size: int, tokens: torch.Tensor, start: int) -> None:
+    """On the device, in place on the metadata of a forward of sequences of one token each (views of its packed
+    rows, as apply_sources left them): the same forward one position on, token t's id taken from
+    tokens[start + t] (what the forward before drew for it) and its KV slot recomputed from the block tables. A
+    drafting pass after one with the same rows needs nothing else from the host (ModelRunner.relaunch)."""
+    ids.copy_(tokens[start : start + ids.numel()])
+    positions += 1
+    kv_slots.copy_(tables[token_seq, positions // block_size] * block_size + positions % block_size)
+
+
 @dataclass
 class ForwardBatch:
     """One eager forward's metadata on the device: views of one packed [NUM_ROWS, T rounded up to 16] tensor."""

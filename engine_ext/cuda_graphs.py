@@ -26,8 +26,8 @@ import time
 import torch
 
 from .attention import AttnMetadata
-from .batch import (BUFFER_ROWS, IDS, KV_SLOT, LOGITS, LORA, POS, QIDX, SEQ, ForwardLimits, SeqWork, apply_sources,
-                    check_packed, check_work, pack_forward)
+from .batch import (BUFFER_ROWS, IDS, KV_SLOT, LOGITS, LORA, POS, QIDX, SEQ, ForwardLimits, SeqWork,
+                    advance_forward, apply_sources, check_packed, check_work, pack_forward)
 from .staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,8 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds: float | None = None
         self._slots = None
+        # The last replay, for `relaunch`: (graph key, tokens, logits rows) when it ran one token per sequence
+        self._last: tuple[tuple[int, bool, bool], int, int] | None = None
 
     def kinds(self) -> list[tuple[int, bool, bool]]:
         """Every graph's key: each bucket adapters off, and on for one token per sequence and (buckets > 1) for
@@ -90,6 +92,7 @@ class DecodeGraphs:
         """Capture every graph (`kinds`) against these slot stacks; returns seconds taken."""
         start = time.perf_counter()
         self._slots = slots
+        self._last = None
         self.rows.zero_()
         self.rows[KV_SLOT] = self.scratch_block * self.block_size
         self.rows[LORA] = slots.zero_slot
@@ -163,7 +166,23 @@ class DecodeGraphs:
         host.copied.record()
         if tokens is not None or shifts is not None:
             apply_sources(self.rows[:, :bucket], self.tables, self.block_size, tokens, shifts)
-        graph, out = self.graphs[(bucket, use_lora, multi)]
+        key = (bucket, use_lora, multi)
+        self._last = (key, num_tokens, num_logits) if num_tokens == len(work) else None
+        return self._replay(key, num_logits, owned)
+
+    def relaunch(self, tokens: torch.Tensor, start: int, owned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the last forward one position on, its input ids from tokens[start:] (batch.advance_forward):
+        no packing, no copy from the host. The last forward must have been one token per sequence."""
+        if self._last is None:
+            raise ValueError("relaunch needs a last replay of one token per sequence")
+        key, n, num_logits = self._last
+        r = self.rows
+        advance_forward(r[IDS, :n], r[POS, :n], r[KV_SLOT, :n], r[SEQ, :n], self.tables, self.block_size, tokens,
+                        start)
+        return self._replay(key, num_logits, owned)
+
+    def _replay(self, key: tuple[int, bool, bool], num_logits: int, owned: bool):
+        graph, out = self.graphs[key]
         graph.replay()
         logits = out[:num_logits]
         positions = self.rows[POS].index_select(0, self.rows[LOGITS, :num_logits])

@@ -72,7 +72,8 @@ class StepExecutor:
         for j in range(step.passes):
             if j and step.join is not None:
                 self._between(step, planner, run, j)
-            self._forward(planner.next_pass(), run, "base")
+            prev = planner.plan.forwards[-1] if j else None
+            self._forward(planner.next_pass(), run, "base", prev)
         if step.passes and step.join is not None:
             self._between(step, planner, run, step.passes)
         self._forward(planner.verify_pass(), run, "lora" if step.passes else "plain")
@@ -92,25 +93,50 @@ class StepExecutor:
         c.paced_prompts += len(plan.paced)
 
     # ------------------------------------------------------------ forwards
-    def _forward(self, fwd: Forward, run: _Run, kind: str) -> None:
+    def _forward(self, fwd: Forward, run: _Run, kind: str, prev: Forward | None = None) -> None:
         """Queue one forward and draw its logits rows into the buffer at fwd.out, between two marks (its span).
-        `kind`: "base", "lora" or "plain"; "prompted" when it also computes prompts."""
-        work, src = [], []
-        for e in fwd.entries:
-            work.append(self._entry_work(e, run.seqs[e.row], run, src))
-        on = any(e.lora and run.seqs[e.row].adapter is not None for e in fwd.entries)
-        from_buf = any(s >= 0 for s in src)  # (else no token of it is read from the device)
-        run.marks.append([self._mark(), None])
-        logits, positions = self.runner.launch(
-            work, self.slots, use_lora=on, tokens=run.buf if from_buf else None, token_src=src if from_buf else None,
-            owned=False, shifts=run.carry.shift if run.carry is not None else None)
+        `kind`: "base", "lora" or "plain"; "prompted" when it also computes prompts. `prev`: the forward queued
+        just before it in this step; when fwd is prev one position on (`_continues`), the runner queues prev again
+        from what it already has on the device rather than from fwd's work packed anew."""
+        if prev is not None and self._continues(prev, fwd):
+            expect = self._works(fwd, run)[0] if self.runner.limits is not None else None  # debug: checked
+            run.marks.append([self._mark(), None])
+            logits, positions = self.runner.relaunch(self.slots, run.buf, run.c + prev.out, owned=False,
+                                                     expect=expect)
+            tokens_in = len(fwd.entries)
+        else:
+            work, src = self._works(fwd, run)
+            on = any(e.lora and run.seqs[e.row].adapter is not None for e in fwd.entries)
+            from_buf = any(s >= 0 for s in src)  # (else no token of it is read from the device)
+            run.marks.append([self._mark(), None])
+            logits, positions = self.runner.launch(
+                work, self.slots, use_lora=on, tokens=run.buf if from_buf else None,
+                token_src=src if from_buf else None, owned=False,
+                shifts=run.carry.shift if run.carry is not None else None)
+            tokens_in = sum(len(w.token_ids) for w in work)
         self._keep(fwd, run, logits)  # raw rows: logprobs and returned logits are the model's, before adjustments
         tokens = self._sample(fwd, run.seqs, logits, positions)
         run.buf[run.c + fwd.out : run.c + fwd.out + len(tokens)] = tokens
         run.marks[-1][1] = self._mark()
         kind = "prompted" if any(e.prompt for e in fwd.entries) else kind
         read = {run.seqs[e.row].adapter for e in fwd.entries if e.lora} - {None}
-        run.passes.append((kind, sum(len(w.token_ids) for w in work), len(read)))
+        run.passes.append((kind, tokens_in, len(read)))
+
+    def _works(self, fwd: Forward, run: _Run) -> tuple[list[SeqWork], list[int]]:
+        """The forward's SeqWork per entry and each token's source (-1 or a buffer index)."""
+        work, src = [], []
+        for e in fwd.entries:
+            work.append(self._entry_work(e, run.seqs[e.row], run, src))
+        return work, src
+
+    def _continues(self, prev: Forward, fwd: Forward) -> bool:
+        """fwd is prev one position on: the same rows in the same order, one token each, each from what prev drew
+        for it, adapters on or off as they were (a drafting pass after one that no prompt ran in or joined)."""
+        if not self.runner.relaunches or len(prev.entries) != len(fwd.entries):
+            return False
+        return all(a.row == b.row and not (a.prompt or b.prompt) and a.tokens == b.tokens == b.logits == 1
+                   and a.lora == b.lora and b.offset == a.offset + 1 and b.srcs[0] == prev.out + k
+                   for k, (a, b) in enumerate(zip(prev.entries, fwd.entries)))
 
     def _sample(self, fwd: Forward, seqs: list[Sequence], logits: torch.Tensor, positions: torch.Tensor):
         """The forward's logits rows drawn on the device: an argmax when every row is greedy with nothing to adjust,

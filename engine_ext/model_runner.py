@@ -9,7 +9,7 @@ import torch
 
 from .adapter_slots import AdapterSlots
 from .backend import Backend
-from .batch import ForwardLimits, SeqWork, build_forward_batch, check_work
+from .batch import ForwardInputError, ForwardLimits, SeqWork, advance_forward, build_forward_batch, check_work
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .staging import Staging
@@ -40,6 +40,9 @@ def _kv_blocks(config: EngineConfig, spec: ModelSpec, device: torch.device, max_
 
 
 class ModelRunner:
+    # `relaunch` is available (a tensor-parallel leader's ranks need every forward's work: it has none)
+    relaunches = True
+
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, *, max_model_len: int,
                  lookahead: int, layout: ShardLayout | None = None,
                  comm: Collectives | SingleRank = ONE_RANK):
@@ -74,6 +77,8 @@ class ModelRunner:
         width = -(-self.max_positions // config.block_size)
         self.staging = Staging(config.max_num_batched_tokens + config.max_num_seqs * (lookahead + 1),
                                config.max_num_seqs, width, device)
+        self._last = None  # the last forward, when `relaunch` may continue it: "graph", or (eager batch, its LoRA)
+        self._last_work = None  # debug mode: its work
         logger.info("model %s loaded on %s: %d KV blocks of %d tokens", spec.architecture, device,
                     self.num_blocks, config.block_size)
 
@@ -102,15 +107,58 @@ class ModelRunner:
         where >= 0 takes that token's id from tokens[token_src[t]] ([M] long, on the device) when the forward runs
         (it may be the output of a forward still queued; its id in `work` is then a placeholder); `shifts` ([S]
         long, on the device) moves the positions of each SeqWork with shift >= 0 by shifts[shift]."""
+        self._last = None
         if self.graphs is not None and self.graphs.fits(work):
             logits, positions = self.graphs.run(work, slots, use_lora, tokens=tokens, token_src=token_src,
                                                 shifts=shifts, owned=owned)
+            self._last = "graph"
         else:
             logits, positions = self._eager(work, slots, use_lora, tokens, token_src, shifts)
             if owned:
                 logits = logits.float()
+        if self.limits is not None:  # debug mode: what a relaunch must continue (relaunch's `expect`)
+            self._last_work = (work, token_src)
         slots.flush()
         return logits, positions
+
+    @torch.inference_mode()
+    def relaunch(self, slots: AdapterSlots, tokens: torch.Tensor, start: int, *, owned: bool = True,
+                 expect: list[SeqWork] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the last forward again one position on: each of its sequences (one token each, as in a drafting
+        pass) at its next position, the token's id from tokens[start + i] (the last forward's drawn tokens), on the
+        same adapter slots and KV blocks. Nothing is packed or copied from the host (batch.advance_forward): what a
+        drafting pass after one with the same rows costs the host is a few launches. Returns what `launch` does.
+
+        expect (debug mode): the work `launch` would have been given; it is checked to be the last forward's one
+        position on, and bounds-checked like any forward."""
+        if expect is not None and self.limits is not None:
+            self._check_continues(expect, start, tokens)
+        if self._last == "graph":
+            logits, positions = self.graphs.relaunch(tokens, start, owned)
+        elif isinstance(self._last, tuple):
+            batch, lora = self._last
+            a = batch.attn
+            advance_forward(batch.input_ids, a.positions, a.slot_mapping, a.token_seq, a.block_tables,
+                            self.config.block_size, tokens, start)
+            logits = self.model(batch.input_ids, a, self.kv_caches, batch.logits_indices, lora)
+            positions = a.positions.index_select(0, batch.logits_indices)
+            if owned:
+                logits = logits.float()
+        else:
+            raise ValueError("relaunch needs a last forward of one token per sequence")
+        slots.flush()
+        return logits, positions
+
+    def _check_continues(self, work: list[SeqWork], start: int, tokens: torch.Tensor) -> None:
+        last, _ = self._last_work
+        check_work(work, self.limits, tokens.numel(), list(range(start, start + len(work))))
+        same = len(last) == len(work) and all(
+            len(a.token_ids) == len(b.token_ids) == 1 and b.start == a.start + 1 and a.lora_slot == b.lora_slot
+            and a.shift == b.shift and a.num_logits == b.num_logits == 1 and list(a.block_table) == list(b.block_table)
+            for a, b in zip(last, work))
+        if not same:
+            raise ForwardInputError("a relaunched forward is not the last one a position on")
+        self._last_work = (work, None)
 
     def _eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool, tokens: torch.Tensor | None = None,
                token_src: list[int] | None = None, shifts: torch.Tensor | None = None):
@@ -122,6 +170,8 @@ class ModelRunner:
         lora = None
         if use_lora and batch.has_lora:
             lora = LoRABatch.from_slots(self.lora_op, batch.lora_slots, slots, self.group_lora_op)
+        if len(work) == len(batch.input_ids):  # one token per sequence: `relaunch` may continue it
+            self._last = (batch, lora)
         logits = self.model(batch.input_ids, batch.attn, self.kv_caches, batch.logits_indices, lora)
         return logits, batch.attn.positions.index_select(0, batch.logits_indices)
 

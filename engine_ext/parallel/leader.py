@@ -139,6 +139,8 @@ class LeaderRunner(ModelRunner):
     """Rank 0's runner: each forward is sent to the workers first, then its device-side inputs are broadcast, then
     every rank runs it (the workers the same call, messages.Launch)."""
 
+    relaunches = False  # each forward goes to the workers as its work (messages.Launch)
+
     def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device, workers: WorkerGroup, *,
                  max_model_len: int, lookahead: int):
         self.workers = workers

@@ -17,7 +17,7 @@ import torch
 from backends import CUDA_TORCH, CUDA_TRITON, CUDA_TRITON_GRAPHS, on_gpu, param
 from char_tokenizer import add_char_tokenizer
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig, StepContext
-from engine_ext.batch import SeqWork
+from engine_ext.batch import ForwardInputError, SeqWork
 from tiny_models import build_adapter, build_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -507,3 +507,59 @@ def test_prompts_wait_for_a_pass_with_room(setup, backend, batch):
     assert spec["paced_prompts"] == 0
     assert max(n for n, _ in sizes) >= 88
     assert [final[f"r{i}"] for i in range(1, len(prompts))] == expected[1:]
+
+
+def test_a_relaunched_pass_equals_the_pass_packed_anew(setup, backend):
+    """ModelRunner.relaunch, what a drafting pass after one with the same rows runs: the last forward queued
+    again from the device (positions one on, ids from its own draws, the same adapter slots) equals each pass
+    packed from its work; one row rides on its adapter, one drafts on the base."""
+    model, adapters, _ = setup
+    engine = make_engine(model, adapters, None, **backend)
+    runner, slots = engine.runner, engine.adapters.slots
+    engine.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(max_tokens=1), adapter_names=["near-r8"])
+    lora, zero = engine.adapters.slot_of("near-r8"), slots.zero_slot
+    prompts, tables, on = [[1, 2, 3, 4, 5], [7, 8, 9]], [[0, 1, 2], [3, 4, 5]], [lora, zero]
+
+    def prefill():
+        return runner.run([SeqWork(p, 0, t, s) for p, t, s in zip(prompts, tables, on)], slots)
+
+    ids, ref = prefill().argmax(-1).tolist(), []
+    for j in range(4):
+        logits = runner.run([SeqWork([ids[i]], len(p) + j, t, s) for i, (p, t, s) in enumerate(zip(prompts, tables, on))],
+                            slots)
+        ref.append(logits)
+        ids = logits.argmax(-1).tolist()
+
+    tokens = torch.empty(10, dtype=torch.long, device=backend.get("device", "cpu"))
+    tokens[:2] = prefill().argmax(-1)
+    got = []
+    for j in range(4):
+        if j == 0:
+            work = [SeqWork([0], len(p), t, s) for p, t, s in zip(prompts, tables, on)]
+            logits, positions = runner.launch(work, slots, tokens=tokens, token_src=[0, 1], owned=False)
+        else:
+            logits, positions = runner.relaunch(slots, tokens, 2 * j, owned=False)  # pass j - 1 drew into 2j, 2j + 1
+        assert positions.tolist() == [len(p) + j for p in prompts]
+        torch.argmax(logits, dim=-1, out=tokens[2 * j + 2 : 2 * j + 4])
+        got.append(logits.clone())
+    if on_gpu(backend):
+        torch.cuda.synchronize()
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b.float(), a, rtol=1e-5, atol=1e-5)
+
+
+def test_relaunch_refuses_what_does_not_continue_the_last_forward(setup, backend):
+    """Debug mode checks the executor's premise: the work a relaunch stands for is the last forward's a position
+    on; and a forward of several tokens per sequence cannot be relaunched."""
+    model, adapters, _ = setup
+    engine = make_engine(model, adapters, None, debug_checks=True, **backend)
+    runner, slots = engine.runner, engine.adapters.slots
+    zero = slots.zero_slot
+    tokens = torch.zeros(8, dtype=torch.long, device=backend.get("device", "cpu"))
+    runner.launch([SeqWork([1, 2, 3], 0, [0], zero)], slots)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        runner.relaunch(slots, tokens, 0)
+    runner.launch([SeqWork([4], 3, [0, 1], zero)], slots)
+    with pytest.raises(ForwardInputError, match="not the last one a position on"):
+        runner.relaunch(slots, tokens, 0, expect=[SeqWork([0], 5, [0, 1], zero)])
+    runner.relaunch(slots, tokens, 0, expect=[SeqWork([0], 4, [0, 1], zero)])
