@@ -322,10 +322,14 @@ class GateTrace:
     """`--gate-trace`: every decision the gate's policy takes on cost (plain_cost and speculate), with what priced it:
     the batch (sequences, base-only, prompts, distinct adapters), the chosen draft lengths, the cycle's predicted
     (device, host) seconds and the plain step's, and both rates. Wraps policy.decide while a run lasts; the engine
-    is unchanged. `summary()` groups the decisions by batch size; `table(engine)` is the estimator's pass times."""
+    is unchanged. `summary()` groups the decisions by batch size; `table(engine)` is the estimator's pass times;
+    `steps()` what the steps it read really took (Estimator.observe wrapped likewise): per kind (a prompt-free cycle,
+    a plain step of decoding rows) and batch size bucket, the median device seconds (its passes' spans), host seconds
+    and launch-to-launch seconds, so a cycle's time beyond max(device, host) shows."""
 
     def __init__(self, limit: int = 400):
         self.limit, self.rows, self._orig = limit, [], None
+        self._observe, self.observed = None, []
 
     def __enter__(self):
         from engine_ext.speculation import gate as gate_mod
@@ -351,12 +355,36 @@ class GateTrace:
             return choice, nxt
 
         gate_mod.policy.decide = decide
+        from engine_ext.speculation.estimator import Estimator
+
+        observe = self._observe = Estimator.observe
+
+        def observed(est, plan, result, seconds, timed=True):
+            kinds = {p[0] for p in result.passes}
+            kind = "cycle" if plan.speculate else "plain"
+            if "prompted" not in kinds and (plan.speculate or plan.decoding == len(plan.seqs)):
+                self.observed.append((kind, len(plan.seqs), sum(p[3] for p in result.passes), result.host_s,
+                                      seconds))
+            return observe(est, plan, result, seconds, timed)
+
+        Estimator.observe = observed
         return self
 
     def __exit__(self, *exc):
         from engine_ext.speculation import gate as gate_mod
+        from engine_ext.speculation.estimator import Estimator
 
         gate_mod.policy.decide = self._orig
+        Estimator.observe = self._observe
+
+    def steps(self) -> list[dict]:
+        groups: dict[tuple[str, int], list[tuple]] = {}
+        for kind, n, dev, host, secs in self.observed:
+            groups.setdefault((kind, 1 << max(0, (n - 1).bit_length())), []).append((dev, host, secs))
+        med = lambda v: round(sorted(v)[len(v) // 2] * 1e3, 3)  # noqa: E731
+        return [{"kind": k, "size_bucket": b, "count": len(v), "device_ms": med([x[0] for x in v]),
+                 "host_ms": med([x[1] for x in v]), "seconds_ms": med([x[2] for x in v])}
+                for (k, b), v in sorted(groups.items())]
 
     def summary(self) -> list[dict]:
         """Per (decision, batch size bucket): count, and the median cycle and plain prices."""
@@ -507,6 +535,7 @@ def main() -> None:
                         records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
                     run["gate_trace"] = trace.summary()
                     run["pass_times_ms"] = GateTrace.table(engine)
+                    run["step_times"] = trace.steps()
                 else:
                     records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
                 run |= summarize(records, time.perf_counter() - start)

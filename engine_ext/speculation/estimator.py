@@ -4,7 +4,7 @@ gate's policy (policy.py) reads, fed by every step's measurements (gate.StepResu
 The loop launches a step while the device runs the one before it, so a step costs about the larger of its device
 time and the host work the device does not hide:
     plain step  max(plain device, plain host)
-    cycle       max(M x base + verify, cycle host)      (M drafting passes)
+    cycle       max(M x base + verify, cycle host)      (M drafting passes; host at most M + 1 plain steps')
 Device times are the passes' own spans on the device timeline, kept per pass kind and size (cost.StepTimes); host
 times are the steps' own host work (`StepResult.host_s`), kept per batch size. A step measured without them (a plain
 step with no "plain" pass, or host_s = 0) is priced by its launch-to-launch `seconds`: a plain step at that whole
@@ -101,8 +101,14 @@ class Estimator:
         if t_base is None or t_verify is None:
             return None
         device = (self.times.get("overhead", n, 0) or 0.0) + passes * t_base + t_verify
-        host = self.times.get("cycle_host", n, 0)
-        return device, host if host is not None else self.times.get("plain_host", n, 0) or 0.0
+        host, plain_host = self.times.get("cycle_host", n, 0), self.times.get("plain_host", n, 0)
+        if host is None:
+            return device, plain_host or 0.0
+        # A cycle's host work is at most a plain step's per forward (a drafting pass is packed, or relaunched, and
+        # sampled like one; the scheduling and reading happen once): a bucket measured once, high by a one-off
+        # stall (a collection, a first compile), would otherwise price every cycle of that size at it, and cycles
+        # there would never run again to re-measure it.
+        return device, min(host, (passes + 1) * plain_host) if plain_host else host
 
     def verify(self, tokens: int, distinct: int) -> float | None:
         """An adapter-on pass of `tokens` tokens: from the verify passes measured, else, before any cycle, the

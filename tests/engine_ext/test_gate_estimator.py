@@ -60,6 +60,19 @@ def test_a_cycle_not_measured_yet_pays_at_least_a_plain_steps_host_time():
     assert device == pytest.approx(1.2e-3 + 1.4e-3) and host == pytest.approx(1.9e-3)
 
 
+def test_a_cycles_host_time_is_at_most_a_plain_steps_per_forward():
+    """A cycle size measured once during a one-off stall (63 ms at one sequence, seen on the H200) is priced at no
+    more than its forwards' worth of plain steps' host work, so cycles of that size run, and re-measure it."""
+    est = Estimator()
+    twice(est, plain_plan(1), StepResult([("plain", 1, 1, 1.75e-3)], [], 0.66e-3), seconds=1.8e-3)
+    passes = [("base", 1, 0, 1.15e-3)] * 4 + [("lora", 5, 1, 1.8e-3)]
+    est.observe(cycle_plan(1), StepResult(passes, [], 62.9e-3), seconds=70e-3)
+    device, host = est.cycle(1, 4, 5, 1, 0)
+    assert device == pytest.approx(4 * 1.15e-3 + 1.8e-3) and host == pytest.approx(5 * 0.66e-3)
+    est.observe(cycle_plan(1), StepResult(passes, [], 2.1e-3), seconds=6.5e-3)  # the next sample replaces it
+    assert est.cycle(1, 4, 5, 1, 0)[1] == pytest.approx(2.1e-3)
+
+
 def test_prompts_price_nothing_but_acceptance_still_counts():
     est = Estimator()
     est.observe(plain_plan(4, prompts=2), StepResult([("plain", 300, 1, 9e-3)], [], 3e-3), seconds=9e-3)
