@@ -117,7 +117,7 @@ class ModelRunner:
             if owned:
                 logits = logits.float()
         if self.limits is not None:  # debug mode: what a relaunch must continue (relaunch's `expect`)
-            self._last_work = (work, token_src)
+            self._last_work = work
         slots.flush()
         return logits, positions
 
@@ -150,7 +150,7 @@ class ModelRunner:
         return logits, positions
 
     def _check_continues(self, work: list[SeqWork], start: int, tokens: torch.Tensor) -> None:
-        last, _ = self._last_work
+        last = self._last_work
         check_work(work, self.limits, tokens.numel(), list(range(start, start + len(work))))
         same = len(last) == len(work) and all(
             len(a.token_ids) == len(b.token_ids) == 1 and b.start == a.start + 1 and a.lora_slot == b.lora_slot
@@ -158,7 +158,7 @@ class ModelRunner:
             for a, b in zip(last, work))
         if not same:
             raise ForwardInputError("a relaunched forward is not the last one a position on")
-        self._last_work = (work, None)
+        self._last_work = work
 
     def _eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool, tokens: torch.Tensor | None = None,
                token_src: list[int] | None = None, shifts: torch.Tensor | None = None):
