@@ -29,8 +29,9 @@ def bind_app(cfg: AppConfig):
     """The bound application for an already bootstrapped config."""
     router = RequestRouterConfig(request_routing_stats_period_s=cfg.routing_stats_period_s)
     placement = None
+    controller_options = {"num_cpus": 0, "resources": dict(cfg.controller_resources)}
     if cfg.placement_controller:
-        placement = PlacementControllerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
+        placement = PlacementControllerDeployment.options(ray_actor_options=controller_options).bind(
             cfg.placement, cfg.max_loras, cfg.max_cpu_loras, cfg.placement_period_s, cfg.placement_replica_ttl_s)
     if cfg.affinity_router:
         router = RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=dataclasses.asdict(cfg.router),
@@ -54,7 +55,7 @@ def bind_app(cfg: AppConfig):
     ).bind(cfg.model_dump(mode="json"), placement)
     canary = None
     if cfg.canary.enabled and placement is not None:  # it reads the replicas' reports through the placement controller
-        canary = CanaryControllerDeployment.options(ray_actor_options={"num_cpus": 0}).bind(
+        canary = CanaryControllerDeployment.options(ray_actor_options=controller_options).bind(
             cfg.model_dump(mode="json"), llm, placement)
     return OpenAIIngress.options(
         num_replicas=cfg.ingress_replicas,

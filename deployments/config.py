@@ -131,6 +131,11 @@ class AppConfig(BaseModel):
         "router.placement.PlacementConfig fields, checked by PlacementConfig itself"))
     placement_period_s: float = Field(1.0, gt=0, description="re-plan, report and replica sync period")
     canary: CanaryConfig = Field(default_factory=CanaryConfig, description="automatic rollouts (CanaryConfig fields)")
+    controller_resources: dict[str, float] = Field(
+        default_factory=lambda: {"node:__internal_head__": 0.001}, description=(
+            "Ray resources the placement and rollout controllers need (they take no CPU): by default a sliver of "
+            "the head node's own resource, so they run beside Serve's controller and losing a worker node (a "
+            "reclaimed GPU machine) never takes them with it; {}: anywhere"))
     placement_replica_ttl_s: float = Field(10.0, gt=0, description=(
         "a replica whose heartbeat is this late leaves the plan (its node lost, say): its pinned adapters get "
         "a new second home on a live replica"))

@@ -20,7 +20,9 @@ from typing import Any, Callable, Optional
 from deployments.replica.placement import ReplicaPlacement
 from router.keys import AdapterKey
 
-__all__ = ["ReplicaAdapters", "AdapterBlocked", "AdapterLoadFailed"]
+__all__ = ["ReplicaAdapters", "AdapterBlocked", "AdapterLoadFailed", "CAUSES"]
+
+CAUSES = ("request", "placement", "change")
 
 
 class AdapterBlocked(Exception):
@@ -39,18 +41,22 @@ class ReplicaAdapters:
         self._loading: dict[str, asyncio.Future] = {}
         self._blocked: set[str] = set()  # disabled adapter names (every version)
         self._withdrawn: set[str] = set()  # keys of versions the registry no longer serves
+        self._registered_by: dict[str, str] = {}  # key -> what made this replica register it (CAUSES)
         engine.set_host_eviction(self.choose_victim)
 
     # ---------------------------------------------------------------- requests
-    async def acquire(self, key: str, record: Any = None) -> tuple[bool, float]:
+    async def acquire(self, key: str, record: Any = None, cause: str = "request") -> tuple[bool, float]:
         """Make `key` servable -> (hit: it was in host memory, seconds spent loading it). `record`: the
-        registry's record of the version, as the ingress resolved it (else it is read from the registry).
+        registry's record of the version, as the ingress resolved it (else it is read from the registry);
+        `cause` (one of CAUSES): what asks for it, kept for the key when this call is the one that loads it.
         Raises AdapterBlocked, RegistryUnavailable (a store out of reach) or AdapterLoadFailed."""
+        if cause not in CAUSES:
+            raise ValueError(f"cause must be one of {CAUSES}, not {cause!r}")
         self._check(key)
         hit = key in self._engine.host_adapters()
         if self._engine.has_adapter(key):  # registered: the engine re-reads an evicted one by itself
             return hit, 0.0
-        load_s = await self._load_once(key, record)
+        load_s = await self._load_once(key, record, cause)
         self._check(key)  # disabled while it loaded
         return False, load_s
 
@@ -59,7 +65,7 @@ class ReplicaAdapters:
         if name in self._blocked:
             raise AdapterBlocked(f"adapter {name!r} is disabled")
 
-    async def _load_once(self, key: str, record: Any) -> float:
+    async def _load_once(self, key: str, record: Any, cause: str) -> float:
         pending = self._loading.get(key)
         if pending is not None:
             await asyncio.shield(pending)
@@ -79,6 +85,7 @@ class ReplicaAdapters:
         finally:
             self._loading.pop(key, None)
         fut.set_result(None)
+        self._registered_by[key] = cause
         return self._clock() - start
 
     async def _load(self, key: AdapterKey, record: Any) -> None:
@@ -132,6 +139,11 @@ class ReplicaAdapters:
 
     def blocked(self) -> list[str]:
         return sorted(self._blocked)
+
+    def registered_by(self) -> dict[str, str]:
+        """key -> what made this replica load it first: "request" (a cold load on the request path),
+        "placement" (a home in the plan, prefetched) or "change" (a new version warmed where an older one was)."""
+        return dict(self._registered_by)
 
     # ---------------------------------------------------------------- the engine's evictions
     def choose_victim(self, candidates: list[str]) -> Optional[str]:

@@ -54,11 +54,11 @@ class ReplicaSync:
         self.health.ok(METADATA)
         return state
 
-    async def _prefetch(self, key: str) -> bool:
+    async def _prefetch(self, key: str, cause: str) -> bool:
         from registry import RegistryUnavailable
 
         try:
-            await self.adapters.acquire(key)
+            await self.adapters.acquire(key, cause=cause)
         except RegistryUnavailable as e:  # tried again next period; one log line per outage
             self.health.failed(dependency_name(e), e)
             return False
@@ -98,7 +98,7 @@ class ReplicaSync:
         self.adapters.retire(name, keep=serving)
         for key in sorted(serving) if was_resident else ():  # warm what takes traffic where an older one lived
             if not self.adapters.is_known(key):
-                await self._prefetch(key)
+                await self._prefetch(key, "change")
         self._publish()
 
     # ------------------------------------------------------------------ placement
@@ -127,7 +127,7 @@ class ReplicaSync:
                 continue
             key = str(AdapterKey(family, state.active_version))
             if not self.adapters.is_known(key):
-                if not await self._prefetch(key):
+                if not await self._prefetch(key, "placement"):
                     continue
                 self._publish()
             if tier == TIER_PINNED:

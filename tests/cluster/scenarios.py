@@ -101,11 +101,14 @@ def node_loss(cluster, workers, url: str, cfg, keys: dict[str, str]) -> dict:
         assert homed, ("hot adapters not on two replicas", mn.placement_view(url))
         report["hot_homes_before"] = homed
 
-        # The victim: a worker node whose only Serve actor is an LLM replica that homes the hottest adapter.
+        # The victim: a worker node whose only Serve actor is an LLM replica that homes the hottest adapter (the
+        # controllers run on the head: AppConfig.controller_resources).
         actors = mn.serve_actor_nodes()
         replica_node = {name.rsplit("#", 1)[-1]: node for name, node in actors.items() if "#LLMServer#" in name}
         crowded = {node for name, node in actors.items() if "#LLMServer#" not in name}
-        victim_rid = next(r for r in homed[HOT[0]] if replica_node.get(r) not in crowded)
+        report["serve_actors"] = actors
+        victim_rid = next((r for r in homed[HOT[0]] if r in replica_node and replica_node[r] not in crowded), None)
+        assert victim_rid is not None, ("no home of the hot adapter on a node of its own", homed, actors)
         victim = next(w for w in workers if w.node_id == replica_node[victim_rid])
         victim_pid = mn.pid_of_actor(mn.llm_replicas()[victim_rid])
         report["victim_replica"] = victim_rid
@@ -183,10 +186,13 @@ def node_loss(cluster, workers, url: str, cfg, keys: dict[str, str]) -> dict:
         back["replica_running_s"] = round(time.monotonic() - rejoined_at, 1) if new_ids else None
         if new_ids:
             new_id = next(iter(new_ids))
-            # settled: the new replica's share of the plan loaded (its held set unchanged for 5 s)
-            last, stable_since = None, time.monotonic()
+            # settled: the new replica's share of the plan loaded (its held set unchanged for 5 s); the families
+            # the plan homed on it at any time meanwhile (a home can move while the plan takes it in)
+            last, stable_since, homed_ever = None, time.monotonic(), set()
             while time.monotonic() - rejoined_at < 140:
                 held = set(mn.replica_stats().get(new_id, {}).get("known", ()))
+                homed_ever |= {f for f, a in mn.placement_view(url)["adapters"].items()
+                               if new_id in a["homes"] and a["tier"] != "cold"}
                 if held != last:
                     last, stable_since = held, time.monotonic()
                 elif time.monotonic() - stable_since > 5:
@@ -196,8 +202,14 @@ def node_loss(cluster, workers, url: str, cfg, keys: dict[str, str]) -> dict:
             view = mn.placement_view(url)
             back["new_replica"] = new_id
             back["new_replica_loaded"] = sorted(after.get(new_id, {}).get("known", ()))
+            causes = after.get(new_id, {}).get("registered_by", {})
+            # what it loaded by cause: the plan's prefetches of its homes, and requests' cold loads (the router
+            # sends a cold adapter's request to the least loaded replica, which a new one is)
+            back["new_replica_loaded_by"] = {c: sorted(k for k, why in causes.items() if why == c)
+                                             for c in sorted(set(causes.values()))}
             back["new_replica_homes"] = sorted(f for f, a in view["adapters"].items() if new_id in a["homes"]
                                                and a["tier"] != "cold")
+            back["new_replica_homes_ever"] = sorted(homed_ever)
             back["others_loaded"] = {r: sorted(set(s["known"]) - before.get(r, set())) for r, s in after.items()
                                      if r != new_id}
             back["plan_replicas"] = view["replicas"]

@@ -104,6 +104,23 @@ def test_a_prefetch_reads_the_record_from_the_registry():
     run(scenario())
 
 
+def test_each_version_keeps_the_cause_of_the_load_that_registered_it():
+    async def scenario():
+        adapters, engine, _, _ = make(registry=Registry(delay=0.05))
+        # a placement prefetch and a request for the same version at once: one load, the prefetch's
+        await asyncio.gather(adapters.acquire("a@1", cause="placement"), adapters.acquire("a@1", Rec("a", 1)))
+        await adapters.acquire("b@1", Rec("b", 1))
+        await adapters.acquire("b@1", cause="placement")  # already registered: the request's stays
+        await adapters.acquire("c@2", cause="change")
+        assert engine.added == ["a@1", "b@1", "c@2"]
+        assert adapters.registered_by() == {"a@1": "placement", "b@1": "request", "c@2": "change"}
+        with pytest.raises(ValueError, match="cause"):
+            await adapters.acquire("d@1", cause="prefetch")
+        assert not engine.has_adapter("d@1")
+
+    run(scenario())
+
+
 def test_failed_load_propagates_to_all_waiters_and_is_tried_again_later():
     async def scenario():
         adapters, engine, registry, _ = make(engine=Engine(fail={"a@1"}), registry=Registry(delay=0.02))
