@@ -16,6 +16,7 @@ The toy model (a 3.4M-parameter Llama the repo trains on Python's stdlib; the fa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--out", type=Path, required=True)
     a.add_argument("--only", nargs="*", default=(), help="adapter names (default: all)")
     a.add_argument("--check", action="store_true", help="compare the files with the committed ones")
+    a.add_argument("--seed", type=int, help="another recipe seed: a retrained version of the same behaviour "
+                   "(other weights, so --check then differs)")
     a.add_argument("--cache-dir", type=Path)
     args = parser.parse_args(argv)
 
@@ -113,9 +116,11 @@ def _adapters(args) -> int:
     from .smollm2.recipe import DEFAULT_ADAPTERS
     from .smollm2.train import train_all
 
+    recipe = DEFAULT_ADAPTERS if args.seed is None else dataclasses.replace(DEFAULT_ADAPTERS, seed=args.seed)
+
     out = args.out.resolve()
     model_dir = ensure_smollm2(args.cache_dir)["model"]
-    results = train_all(Path(model_dir), out, DEFAULT_ADAPTERS, tuple(args.only),
+    results = train_all(Path(model_dir), out, recipe, tuple(args.only),
                         log=lambda line: print(line, file=sys.stderr, flush=True))
     built = committed.file_hashes(out)
     if args.check:
@@ -123,7 +128,7 @@ def _adapters(args) -> int:
         differ = sorted(rel for rel in built if built[rel] != expected.get(rel))
         print(json.dumps({"same": sorted(set(built) - set(differ)), "differ": differ}))
         return 1 if differ else 0
-    committed.write_manifest(out, model_dir, results)
+    committed.write_manifest(out, model_dir, results, recipe)
     print(json.dumps({"adapters": sorted(results), "out": str(out)}))
     return 0
 

@@ -36,7 +36,7 @@ def verified_dirs(root: Path = ADAPTERS_DIR) -> dict[str, str]:
     return {name: str(root / name) for name in sorted({rel.split("/")[0] for rel in expected})}
 
 
-def write_manifest(out: Path, model_dir: str, results: dict) -> None:
+def write_manifest(out: Path, model_dir: str, results: dict, recipe=None) -> None:
     """manifest.json for freshly trained adapters in `out` (copy both into ADAPTERS_DIR to commit them)."""
     import importlib.metadata
     import sys
@@ -48,6 +48,6 @@ def write_manifest(out: Path, model_dir: str, results: dict) -> None:
     env = {"python": "%d.%d.%d" % sys.version_info[:3],
            **{pkg: importlib.metadata.version(pkg) for pkg in ("torch", "transformers", "peft")}}
     doc = {"base": {"model": MODEL_NAME, "weights_sha256": sha256_file(Path(model_dir) / "model.safetensors")},
-           "recipe": recipe_to_dict(DEFAULT_ADAPTERS), "trained_with": env, "training": results,
+           "recipe": recipe_to_dict(recipe or DEFAULT_ADAPTERS), "trained_with": env, "training": results,
            "sha256": file_hashes(out)}
     (out / "manifest.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
