@@ -35,18 +35,50 @@ def kernel_union_seconds(intervals: list[tuple[int, int]]) -> float:
     return total / 1e9
 
 
-def _kernels(prof) -> list[tuple[int, int]]:
-    """(start, end) in ns of every CUDA kernel the profiler recorded (kineto's raw events: building the Python
+GAP_EDGES_US = (5, 20, 100, 500, 2000)  # the idle-gap histogram's bucket edges
+
+
+def idle_gaps(intervals: list[tuple[int, int]]) -> dict:
+    """The device's idle gaps between the union's segments: per bucket of GAP_EDGES_US (the label is its upper
+    edge, "inf" past the last) the count and total ms. Where a run's idle time goes: many short gaps are launch
+    latency between kernels, long ones the device waiting for the host."""
+    edges = [*GAP_EDGES_US, float("inf")]
+    out = {str(e): {"count": 0, "ms": 0.0} for e in edges}
+    end = None
+    for start, stop in sorted(intervals):
+        if end is not None and start > end:
+            gap_us = (start - end) / 1e3
+            bucket = out[str(next(e for e in edges if gap_us <= e))]
+            bucket["count"] += 1
+            bucket["ms"] += gap_us / 1e3
+        end = stop if end is None else max(end, stop)
+    return {k: {"count": v["count"], "ms": round(v["ms"], 3)} for k, v in out.items()}
+
+
+def top_kernels(events: list[tuple[str, int, int]], n: int = 25) -> list[dict]:
+    """The n kernels with the most device time: name (cut to 80 characters), count, total and mean us."""
+    totals: dict[str, list[int]] = {}
+    for name, start, stop in events:
+        t = totals.setdefault(name[:80], [0, 0])
+        t[0] += 1
+        t[1] += stop - start
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"kernel": k, "count": c, "ms": round(ns / 1e6, 3), "mean_us": round(ns / c / 1e3, 2)}
+            for k, (c, ns) in rows]
+
+
+def _kernels(prof) -> list[tuple[str, int, int]]:
+    """(name, start, end) in ns of every CUDA kernel the profiler recorded (kineto's raw events: building the Python
     function events of a long run would take longer than the run)."""
     out = []
     for e in prof.profiler.kineto_results.events():
         if e.device_type().name == "CUDA" and e.duration_ns() > 0 and "Memcpy" not in e.name() \
                 and "Memset" not in e.name():
-            out.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+            out.append((e.name(), e.start_ns(), e.start_ns() + e.duration_ns()))
     return out
 
 
-def profiled(replay, every: int):
+def profiled(replay, every: int, breakdown: bool = False):
     """serve_load.replay, measured when it replays a measured run (warm-up requests' ids start with "w"): its wall
     time, steps and the engine's host time per step; every `every`-th measured run also under torch.profiler (CUDA
     kernels only), for the busy fraction. Profiling slows the host (a callback per launch), so a throughput is read
@@ -86,10 +118,13 @@ def profiled(replay, every: int):
             wait = after["device_wait_s"] - before["device_wait_s"]
             row["host_ms_per_step"] = round((seconds - wait) / steps * 1e3, 3)
         if prof is not None:
-            kernels = _kernels(prof)
+            events = _kernels(prof)
+            kernels = [(start, stop) for _, start, stop in events]
             busy = kernel_union_seconds(kernels)
             row |= {"busy_fraction": round(busy / seconds, 3), "kernel_seconds": round(busy, 3),
                     "kernels": len(kernels)}
+            if breakdown:
+                row |= {"idle_gaps": idle_gaps(kernels), "top_kernels": top_kernels(events)}
         results.append(row)
         return records
 
@@ -104,6 +139,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile-every", type=int, default=2,
                     help="profile every n-th measured run (give serve_load each run twice: --runs burst burst)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also the profiled runs' idle-gap histogram and the kernels with the most device time")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     tree = os.path.abspath(args.tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, tree)
@@ -111,7 +148,7 @@ def main() -> None:
         del sys.modules[name]
     import bench.serve_load as serve_load
 
-    serve_load.replay, busy = profiled(serve_load.replay, args.profile_every)
+    serve_load.replay, busy = profiled(serve_load.replay, args.profile_every, args.breakdown)
     out_path = args.out or os.path.join(os.environ.get("BENCH_DIR", "/tmp"), "gpu-busy-serve-load.json")
     sys.argv = ["serve_load.py", *rest, "--out", out_path]
     stdout = sys.stdout

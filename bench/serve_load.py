@@ -264,18 +264,26 @@ def build_workload(work_dir: str, shape: str, num_adapters: int, rank: int, gpu:
     return model_dir, adapters
 
 
+def parse_mode(mode: str) -> tuple[str, int | None]:
+    """A mode name, with an optional draft lead for the drafting modes ("gated@3": gated with SpecConfig.draft_lead
+    3, so one run compares leads on identical traffic) -> (name, lead or None)."""
+    name, at, lead = mode.partition("@")
+    if name not in MODES or (at and (name in ("base", "plain") or not lead.isdigit())):
+        raise ValueError(f"mode must be one of {MODES}, a drafting one optionally with @LEAD, got {mode!r}")
+    return name, int(lead) if lead else None
+
+
 def mode_spec(mode: str, k: int, draft_lead: int | None = None):
     """The engine's speculation setting for a mode: None (plain decoding; base-only traffic for "base"), or
     k drafts with the gate deciding ("gated") or drafting every step ("forced"); `draft_lead`: SpecConfig's (None:
-    its default)."""
+    its default), unless the mode names its own ("gated@3")."""
     from engine_ext import SpecConfig
 
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode in ("base", "plain"):
+    name, own_lead = parse_mode(mode)
+    if name in ("base", "plain"):
         return None
-    lead = {} if draft_lead is None else {"draft_lead": draft_lead}
-    return SpecConfig(num_draft_tokens=k, gate=mode == "gated", **lead)
+    lead = own_lead if own_lead is not None else draft_lead
+    return SpecConfig(num_draft_tokens=k, gate=name == "gated", **({} if lead is None else {"draft_lead": lead}))
 
 
 def outputs_digest(records: list[Record]) -> str:
@@ -443,10 +451,11 @@ def main() -> None:
     ap.add_argument("--spec", type=int, default=4, help="draft tokens (0: plain multi-LoRA)")
     ap.add_argument("--no-gate", action="store_true")
     ap.add_argument("--draft-lead", type=int, default=None, help="SpecConfig.draft_lead (default: its default)")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=None,
+    ap.add_argument("--modes", nargs="+", default=None,
                     help="modes to run on identical traffic, each over every run (default: the one --spec and "
                          "--no-gate name). base: every request on the base model; plain: multi-LoRA decoding; "
-                         "gated: --spec drafts, the gate deciding; forced: --spec drafts every step")
+                         "gated: --spec drafts, the gate deciding; forced: --spec drafts every step; gated@L, "
+                         "forced@L: with draft lead L")
     ap.add_argument("--runs", nargs="+", default=["poisson:10"],
                     help="one run each, on one engine: poisson:RATE, gamma:RATE:CV or burst")
     ap.add_argument("--requests", type=int, default=300)
@@ -466,26 +475,34 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
     ap.add_argument("--loop", choices=["step", "served"], default="step",
                     help="drive engine.step() directly, or through AsyncLLMEngine with an asyncio client per request")
+    ap.add_argument("--kernel-settings", type=json.loads, default={},
+                    help="JSON object of engine_ext.KernelSettings fields (the Triton kernels' launch settings)")
     ap.add_argument("--gate-trace", action="store_true",
                     help="record the gate's cost decisions and its pass times in each gated run (GateTrace)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     modes = args.modes or ["plain" if not args.spec else "forced" if args.no_gate else "gated"]
-    if args.spec <= 0 and any(m in ("gated", "forced") for m in modes):
+    for m in modes:
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.spec <= 0 and any(parse_mode(m)[0] in ("gated", "forced") for m in modes):
         ap.error("gated and forced modes need --spec > 0")
 
     import torch
 
     from bench.common import SHAPES, machine
-    from engine_ext import LLMEngine, SamplingParams, SpecConfig
+    from engine_ext import KernelSettings, LLMEngine, SamplingParams, SpecConfig
 
     gpu = args.device.startswith("cuda")
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu, MIXES[args.mix])
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
+    kernels = {"kernels": KernelSettings.from_dict(args.kernel_settings)} if args.kernel_settings else {}
     cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
-                        args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp)
+                        args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp, **kernels)
     before = _cache_entries(args.compile_cache)
     engine = LLMEngine(cfg)
     for n, p in adapters.items():
@@ -495,7 +512,7 @@ def main() -> None:
     ready_entries = _cache_entries(args.compile_cache)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
-    result = {"machine": machine(), "loop": args.loop, "shape": args.shape, "tp": args.tp, "spec": args.spec,
+    result = {"machine": machine(), "kernel_settings": args.kernel_settings, "loop": args.loop, "shape": args.shape, "tp": args.tp, "spec": args.spec,
               "draft_lead": args.draft_lead, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
               "startup": startup, "cache_entries_before": before,
@@ -528,7 +545,7 @@ def main() -> None:
             run = {"run": run_spec, "mode": mode}
             stats_before = engine.stats()
             start = time.perf_counter()
-            trace = GateTrace() if args.gate_trace and mode == "gated" else None
+            trace = GateTrace() if args.gate_trace and parse_mode(mode)[0] == "gated" else None
             try:
                 if trace is not None:
                     with trace:
