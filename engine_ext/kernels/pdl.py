@@ -6,11 +6,13 @@ write anything, so memory is ordered exactly as without PDL and only the launch 
 also lets the next PDL kernel be scheduled at once (griddepcontrol.launch_dependents at its start: the
 rotary kernel's attention then waits, resident, for it to finish).
 
-Only launches of up to MAX_TOKENS tokens use it: at decode sizes (one wave of programs) the overlap shortens
-the forward, while forwards of several waves (the verify passes) measured slower with it (`git show 211e305:bench/RESULTS.md`).
+Only launches of up to KernelSettings.pdl_max_tokens tokens use it: at decode sizes (one wave of programs) the
+overlap shortens the forward, while forwards of several waves measured slower with it (`git show
+211e305:bench/RESULTS.md`).
 It needs a CUDA device of compute capability 9.0 or later; tensors elsewhere (the CPU tensors of Triton's
 interpreter) launch without it. A kernel takes a `PDL` constexpr and calls `wait_then_release(PDL)` first;
-its launch passes `**launch(num_tokens, device)` (the constexpr and the launch option together).
+its launch passes `**launch(num_tokens, device, settings.pdl_max_tokens)` (the constexpr and the launch option
+together).
 """
 
 from __future__ import annotations
@@ -21,19 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-# Launches of up to this many tokens use PDL (decode at batch <= 32: one wave).
-MAX_TOKENS = 32
-
-
 @functools.cache
 def supported(device: torch.device) -> bool:
     """Whether kernels on `device` can launch with PDL (a CUDA device of compute capability 9.0 or later)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def launch(num_tokens: int, device: torch.device) -> dict:
-    """The PDL constexpr and launch option of a launch over `num_tokens` tokens on `device`."""
-    return {"PDL": 1, "launch_pdl": True} if num_tokens <= MAX_TOKENS and supported(device) else {"PDL": 0}
+def launch(num_tokens: int, device: torch.device, max_tokens: int) -> dict:
+    """The PDL constexpr and launch option of a launch over `num_tokens` tokens on `device` (PDL up to
+    `max_tokens`)."""
+    return {"PDL": 1, "launch_pdl": True} if num_tokens <= max_tokens and supported(device) else {"PDL": 0}
 
 
 @triton.jit

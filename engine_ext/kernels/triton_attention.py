@@ -201,15 +201,17 @@ def paged_attention_triton(
         part = torch.empty(num_tokens, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(num_tokens, heads, splits, 2, dtype=torch.float32, device=q.device)
         strides = (part.stride(0), part.stride(1))
+    pdl = launch(num_tokens, q.device, settings.pdl_max_tokens)
     _paged_attn_kernel[(num_tokens, kv_heads, splits)](
         q, k_cache, v_cache, part, ml, tables, meta.token_seq, meta.token_qidx, meta.positions, num_tokens, scale,
         sliding_window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
-        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=narrow, BLOCK_QW=wide, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        num_warps=settings.attn_warps, **launch(num_tokens, q.device), **({"num_stages": stages} if stages else {}))
+        *strides, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=narrow, BLOCK_QW=wide, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=block_n, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=settings.attn_warps, **pdl,
+        **({"num_stages": stages} if stages else {}))
     if splits > 1:
         _combine_kernel[(num_tokens, heads)](part, ml, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
-                                             HEAD_DIM=head_dim, num_warps=1, **launch(num_tokens, q.device))
+                                             HEAD_DIM=head_dim, num_warps=1, **pdl)
     return out
 
 

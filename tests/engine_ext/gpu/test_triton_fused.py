@@ -328,3 +328,58 @@ def test_lora_folding_under_other_launch_settings(setting, dtype):
     from engine_ext.kernels import KernelSettings
 
     _check_lora_folding(dtype, 32, 16, False, KernelSettings(**setting, expand_block_n=128, expand_warps=2))
+
+
+# ---------------------------------------------------------------- LoRA folded a run of a sequence's tokens a program
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lens,rows", [((5,) * 32, 8), ((2, 7, 1, 9, 5, 3, 12, 4), 4), ((64,), 8)])
+def test_run_kernels_equal_the_per_token_kernels(dtype, lens, rows):
+    """triton_grouped's norm + shrink, rotary + expand and SiLU + expand + down shrink at the 1B shape (rank 16, a
+    verify pass's runs, runs past ROWS split, a prompt) against triton_fused's a token a program."""
+    from engine_ext.kernels import KernelSettings
+    from engine_ext.kernels import triton_fused as tf
+    from engine_ext.kernels import triton_grouped as tg
+
+    g = _gen(sum(lens) + rows)
+    hid, inter, heads, kvh, hd, rank, num_slots = 2048, 8192, 32, 8, 64, 16, 9
+    qs, kvs = heads * hd, kvh * hd
+    seq_slots = torch.randint(0, num_slots, (len(lens),), generator=g, device=DEV)
+    slots = torch.cat([s.repeat(n) for s, n in zip(seq_slots, lens)])
+    qidx = torch.cat([torch.arange(n, device=DEV) for n in lens])
+    tokens = len(slots)
+    live = slots != num_slots - 1
+    settings = KernelSettings(lora_run_rows=rows)
+    aq = _slot_stack(num_slots, hid, 3 * rank, g, dtype, hid**-0.5)
+    bq = _slot_stack(num_slots, rank, qs + 2 * kvs, g, dtype, 0.5)
+    ag = _slot_stack(num_slots, hid, 2 * rank, g, dtype, hid**-0.5)
+    bg = _slot_stack(num_slots, rank, 2 * inter, g, dtype, 0.5)
+    ad = _slot_stack(num_slots, inter, rank, g, dtype, inter**-0.5)
+    sq, sg = torch.rand(num_slots, 3, generator=g, device=DEV), torch.rand(num_slots, 2, generator=g, device=DEV)
+    x = torch.randn(tokens, hid, generator=g, device=DEV).to(dtype)
+    d = torch.randn(tokens, hid, generator=g, device=DEV).to(dtype)
+    e = torch.randn(tokens, hid, generator=g, device=DEV)
+    w = (1 + 0.1 * torch.randn(hid, generator=g, device=DEV)).to(dtype)
+    ref = tf.add_rms_norm(x, d, w, 1e-5, (aq, slots), e, settings=settings)
+    out = tg.add_rms_norm(x, d, w, 1e-5, (aq, slots, qidx), e, settings=settings)
+    for o, r in zip(out[:2], ref[:2]):
+        _agree(o, r, dtype)
+    torch.testing.assert_close(out[2][:, live], ref[2][:, live], rtol=1e-4, atol=1e-4)
+    qkv = torch.randn(tokens, qs + 2 * kvs, generator=g, device=DEV).to(dtype)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=DEV).float() / hd))
+    positions = torch.randint(0, 4000, (tokens,), generator=g, device=DEV)
+    table = cos_sin(inv_freq, torch.arange(4000, device=DEV), dtype)
+    kv_slots = torch.randperm(64 * 16, generator=g, device=DEV)[:tokens]
+    caches = [torch.zeros(64, 16, kvh, hd, device=DEV, dtype=dtype) for _ in range(4)]
+    q_ref = tf.rope_write_kv(qkv.clone(), *table, caches[0], caches[1], kv_slots, heads, kvh,
+                             (ref[2], bq, sq, slots), positions, settings=settings)
+    q_out = tg.rope_write_kv(qkv.clone(), *table, caches[2], caches[3], kv_slots, heads, kvh,
+                             (ref[2], bq, sq, slots, qidx), positions, settings=settings)
+    _agree(q_out, q_ref, dtype)
+    _agree(caches[2], caches[0], dtype)
+    _agree(caches[3], caches[1], dtype)
+    part = tf.add_rms_norm(x, d, w, 1e-5, (ag, slots), settings=settings)[2]
+    gate_up = torch.randn(tokens, 2 * inter, generator=g, device=DEV).to(dtype)
+    act_ref, down_ref = tf.silu_mul(gate_up, (part, bg, sg, ad, slots), settings=settings)
+    act, down = tg.silu_mul(gate_up, (part, bg, sg, ad, slots, qidx), settings=settings)
+    _agree(act, act_ref, dtype)
+    torch.testing.assert_close(down[:, live].sum(0), down_ref[:, live].sum(0), rtol=1e-3, atol=1e-3)
