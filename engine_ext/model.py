@@ -107,25 +107,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LayerOps(Protocol):
     """The decoder layer's element-wise work between its matrix products (TorchOps is the reference).
 
-    add_rms_norm(x, delta, weight, eps, lora, extra, rows, runs) -> (x + delta, rms_norm(x + delta) * weight, part)
-    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions, runs) -> q
-    silu_mul(gate_up, lora, runs) -> (silu(gate) * up, part)
+    add_rms_norm(x, delta, weight, eps, lora, extra, rows) -> (x + delta, rms_norm(x + delta) * weight, part)
+    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions) -> q
+    silu_mul(gate_up, lora) -> (silu(gate) * up, part)
 
     Ops that fold LoRA (`fuses_lora`) say in which forwards (`folds_lora(num_tokens, multi, rank)`; `multi`: some
-    sequence has several tokens in it, as in a verify pass; `rank`: the slots'), take the `lora` arguments and
-    `extra` there, and also provide lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the
-    others are only ever passed None there. Those that take a run of a sequence's tokens a program in some forwards
-    (`runs(multi)`) are passed `runs` there: each token's query index in its sequence, which delimits the runs."""
+    sequence has several tokens in it, as in a verify pass; `rank`: the slots'), take the `lora` arguments and `extra` there, and also provide
+    lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the others are only ever passed None
+    there."""
 
     fuses_lora: bool
 
     def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool: ...
-    def runs(self, multi: bool) -> bool: ...
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
-    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None, runs=None) -> tuple: ...
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None) -> tuple: ...
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, runs=None) -> torch.Tensor: ...
-    def silu_mul(self, gate_up, lora=None, runs=None) -> tuple: ...
+                      positions=None) -> torch.Tensor: ...
+    def silu_mul(self, gate_up, lora=None) -> tuple: ...
 
 
 @dataclass
@@ -137,7 +135,6 @@ class LayerInputs:
     sin: torch.Tensor
     positions: torch.Tensor | None  # [T]: rows of the cos/sin tables (CausalLM.build_rope_table)
     lora: LoRABatch | None
-    runs: torch.Tensor | None = None  # [T] query index in its sequence, where the ops take LoRA a run a program
 
 
 class DecoderLayer(nn.Module):
@@ -161,7 +158,7 @@ class DecoderLayer(nn.Module):
         """Rotary + KV write, then paged attention -> [T, q_size]."""
         spec, (k_cache, v_cache) = self.spec, kv_cache
         q = ops.rope_write_kv(qkv, inp.cos, inp.sin, k_cache, v_cache, inp.meta.slot_mapping, spec.num_heads,
-                              spec.num_kv_heads, lora_args, inp.positions, inp.runs)
+                              spec.num_kv_heads, lora_args, inp.positions)
         out = paged_attention(q, k_cache, v_cache, inp.meta, spec.head_dim**-0.5, spec.sliding_windows[self.index])
         return out.reshape(-1, spec.q_size)
 
@@ -197,8 +194,7 @@ class DecoderLayer(nn.Module):
         The o delta and the down expand run on the side stream beside the o and down products, into float32
         buffers (`extra`) that the next norm kernel adds with the product. Returns (x, output, its extra)."""
         i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
-        x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra,
-                                      runs=inp.runs)
+        x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra)
         qkv = ops.linear(h, self.qkv, self.qkv_bias)
         attn = self._attention(ops, qkv, kv_cache, inp, lora.expand_args(i, "qkv", part))
         with branch:
@@ -206,10 +202,9 @@ class DecoderLayer(nn.Module):
         o = ops.linear(attn, self.o)
         branch.join()
         o, extra = self._reduce(o, extra)
-        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra,
-                                      runs=inp.runs)
+        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
         gate_up = ops.linear(h, self.gate_up)
-        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part), inp.runs)
+        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
         with branch:
             extra = ops.expand_delta(*lora.expand_args(i, "down", part))
         down = ops.linear(act, self.down)
@@ -302,14 +297,12 @@ class CausalLM(nn.Module):
             (cos, sin), positions = self.rope_table, meta.positions
         else:
             (cos, sin), positions = cos_sin(self.inv_freq, meta.positions, x.dtype), None
+        inp = LayerInputs(meta, cos, sin, positions, lora)
         delta = extra = None  # the last layer's output, not yet added to the residual stream x, and its LoRA delta
         if self.folds_lora(lora, input_ids.shape[0], meta.multi):
-            runs = meta.token_qidx if ops.runs(meta.multi) else None
-            inp = LayerInputs(meta, cos, sin, positions, lora, runs)
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, delta, extra = layer.fused_lora(ops, x, delta, extra, kv_cache, inp)
         else:
-            inp = LayerInputs(meta, cos, sin, positions, lora)
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, delta = layer.plain(ops, x, delta, kv_cache, inp)
         # the final norm reads only the rows whose logits are wanted
@@ -350,11 +343,7 @@ class TorchOps:
         return False
 
     @staticmethod
-    def runs(multi: bool) -> bool:
-        return False
-
-    @staticmethod
-    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None, runs=None):
+    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None):
         if rows is not None:
             x, delta = x[rows], None if delta is None else delta[rows]
             extra = None if extra is None else extra[rows]
@@ -366,7 +355,7 @@ class TorchOps:
 
     @staticmethod
     def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, runs=None):
+                      positions=None):
         if positions is not None:  # cos/sin are tables over positions
             cos, sin = cos[positions], sin[positions]
         d = k_cache.shape[-1]
@@ -378,6 +367,6 @@ class TorchOps:
         return q
 
     @staticmethod
-    def silu_mul(gate_up, lora=None, runs=None):
+    def silu_mul(gate_up, lora=None):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up, None

@@ -59,13 +59,6 @@ class KernelSettings:
     # rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90 against 3.61). 0: every such forward takes the
     # split kernels.
     fold_multi_token_ranks: int = 4096
-    # Forwards with several tokens of one sequence that fold LoRA take their element-wise kernels a run of up to this
-    # many of a sequence's tokens a program (triton_grouped.py: the run's adapter tiles loaded once for all of them)
-    # rather than a token a program; 0: a token a program. A power of two, at least a verify pass's k + 1 to read
-    # its tiles once a sequence.
-    lora_run_rows: int = 0
-    run_warps: int = 4  # warps of the run kernels' norm and SiLU programs (rotary: rope_lora_warps)
-    run_silu_sb: int = 0  # columns per inner step of the run SiLU kernel; 0: from the rank
     # ---- programmatic dependent launch (pdl.py): the fused kernels and attention launch with it in forwards of up to
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel
     # before it shortens the forward); 0: never
@@ -81,17 +74,15 @@ class KernelSettings:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"KernelSettings.{f.name} must be an int, got {value!r}")
         for name in ("attn_warps", "norm_lora_warps", "rope_lora_warps", "silu_lora_warps", "shrink_warps",
-                     "expand_warps", "run_warps"):
+                     "expand_warps"):
             _check_pow2(name, getattr(self, name), 1, 32)
         # Tile sides of tl.arange / tl.dot: powers of two, at least 16
         for name in ("attn_block_n", "norm_chunk", "silu_lora_block"):
             _check_pow2(name, getattr(self, name), 16, 1 << 16)
-        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi", "run_silu_sb"):
+        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi"):
             if getattr(self, name):
                 _check_pow2(name, getattr(self, name), 16, 1 << 16, zero=True)
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
-        if self.lora_run_rows:
-            _check_pow2("lora_run_rows", self.lora_run_rows, 1, 64, zero=True)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
         if self.pdl_max_tokens < 0:
@@ -110,11 +101,6 @@ class KernelSettings:
         if multi:
             return num_tokens * rank <= self.fold_multi_token_ranks
         return num_tokens <= FUSED_LORA_TOKENS
-
-    def runs(self, multi: bool) -> bool:
-        """Whether a forward that folds LoRA takes its element-wise kernels a run of a sequence's tokens a program
-        (triton_grouped.py): forwards with several tokens of one sequence, with lora_run_rows above 1."""
-        return multi and self.lora_run_rows > 1
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KernelSettings:

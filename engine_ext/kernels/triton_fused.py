@@ -31,10 +31,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import triton_grouped
-from .folding import expand_row as _expand_row
-from .folding import lora_row as _lora_row
-from .folding import rank_block as _rank_block
 from .pdl import launch as _launch
 from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
@@ -43,6 +39,10 @@ from .triton_lora import expand_delta, lora_delta
 
 _DEFAULTS = KernelSettings()
 _SILU_BLOCK = 1024  # columns of one silu_mul program without LoRA
+
+
+def _rank_block(r: int) -> int:
+    return triton.next_power_of_2(max(r, 1))
 
 
 @triton.jit
@@ -146,6 +146,29 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             **_launch(num_tokens, x.device, settings.pdl_max_tokens),
             num_warps=settings.norm_lora_warps if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
+
+
+@triton.jit
+def _lora_row(part_ptr, scale_ptr, slot, t, seg, R, num_splits, stride_ps, stride_pt, stride_ss,
+              SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, dt: tl.constexpr):
+    """(sum_s part[s, t, seg*R:(seg+1)*R]) * scale[slot, seg], rounded to dt (as the expand's input): [BLOCK_R]
+    fp32. All splits in one 2-D load (a loop over them would wait on each load in turn)."""
+    offs_s = tl.arange(0, SPLITS)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask = (offs_s[:, None] < num_splits) & (offs_r[None, :] < R)
+    parts = tl.load(part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + seg * R + offs_r[None, :], mask=mask,
+                    other=0.0)
+    return _rnd(tl.sum(parts, axis=0) * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32), dt)
+
+
+@triton.jit
+def _expand_row(s, b_ptr, slot, R, col0, col_end, stride_bs, stride_br, NCOL: tl.constexpr, BLOCK_R: tl.constexpr):
+    """delta[c] = s @ B[slot, :, col0 + c] for c < NCOL and col0 + c < col_end (fp32; zero beyond col_end)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = col0 + tl.arange(0, NCOL)
+    bv = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_c[None, :],
+                 mask=(offs_r[:, None] < R) & (offs_c[None, :] < col_end), other=0.0)
+    return tl.sum(s[:, None] * bv.to(tl.float32), axis=0)
 
 
 @triton.jit
@@ -367,27 +390,15 @@ class TritonOps:
     def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool:
         return self.settings.folds_lora(num_tokens, multi, rank)
 
-    def runs(self, multi: bool) -> bool:
-        return self.settings.runs(multi)
-
-    # With `runs` (each token's query index in its sequence), LoRA is folded a run of a sequence's tokens a program
-    # (triton_grouped.py), else a token a program.
-    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None, runs=None):
-        if runs is not None and lora is not None:
-            return triton_grouped.add_rms_norm(x, delta, weight, eps, (*lora, runs), extra, settings=self.settings)
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)
 
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, runs=None):
-        if runs is not None and lora is not None:
-            return triton_grouped.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
-                                                num_kv_heads, (*lora, runs), positions, settings=self.settings)
+                      positions=None):
         return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions,
                              settings=self.settings)
 
-    def silu_mul(self, gate_up, lora=None, runs=None):
-        if runs is not None and lora is not None:
-            return triton_grouped.silu_mul(gate_up, (*lora, runs), settings=self.settings)
+    def silu_mul(self, gate_up, lora=None):
         return silu_mul(gate_up, lora, settings=self.settings)
 
     def lora_delta(self, x, a, b, scale, slots):

@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|runs|lora|engine
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|lora|engine
 """
 
 from __future__ import annotations
@@ -168,7 +168,6 @@ def engine():
     from tiny_models import build_adapter, build_model
 
     from engine_ext import EngineConfig, LLMEngine, SamplingParams
-    from engine_ext.kernels import triton_grouped
     from engine_ext.kernels.triton_fused import TritonOps
 
     root = tempfile.mkdtemp()
@@ -216,80 +215,6 @@ def engine():
     used.clear()
     assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "attn_rows_multi": 0}, **kernels) == ref
     assert not used  # every adapter-on forward of a forced cycle has several tokens of a sequence: none folded
-    # verify passes and prompts folded a run of a sequence's tokens a program (runs of 4 and of 2: k + 1 = 4 tokens
-    # in one run, and split over two)
-    ran = []
-    grouped_silu = triton_grouped.silu_mul
-
-    def counted_runs(*args, **kw):
-        ran.append(1)
-        return grouped_silu(*args, **kw)
-
-    triton_grouped.silu_mul = counted_runs
-    for rows in (4, 2):
-        assert run(speculative=spec, kernels={"lora_run_rows": rows}, **kernels) == ref
-        assert ran
-        ran.clear()
-
-
-def runs():
-    """The run kernels (triton_grouped.py) against the per-token ones (triton_fused.py), which `fused` holds to the
-    torch references: sequences of 1 to 11 tokens (runs longer than ROWS split), neighbours on one slot, base-only
-    sequences, with and without a delta and `extra`, cos/sin per token and over positions."""
-    from engine_ext.kernels import KernelSettings
-    from engine_ext.kernels import triton_fused as tf
-    from engine_ext.kernels import triton_grouped as tg
-    from engine_ext.rope import cos_sin
-
-    g = torch.Generator().manual_seed(5)
-    H, KVH, D, hid, inter, S, R = 4, 2, 16, 600, 700, 5, 8
-    qs, kvs = H * D, KVH * D
-    lens, seq_slots = [3, 1, 11, 5, 5, 2, 8, 1], [0, 0, 4, 1, 1, 2, 3, 4]  # 4: the zero slot
-    slots = torch.tensor([s for n, s in zip(lens, seq_slots) for _ in range(n)])
-    qidx = torch.cat([torch.arange(n) for n in lens])
-    T = len(slots)
-
-    def stack(*shape):
-        t = torch.randn(*shape, generator=g)
-        t[-1] = 0
-        return t
-
-    x, d, e, w = (torch.randn(T, hid, generator=g), torch.randn(T, hid, generator=g), torch.randn(T, hid, generator=g),
-                  torch.randn(hid, generator=g))
-    aq, bq, sq = stack(S, hid, 3 * R), stack(S, R, qs + 2 * kvs), stack(S, 3).abs()
-    ag, bg, sg = stack(S, hid, 2 * R), stack(S, R, 2 * inter), stack(S, 2).abs()
-    ad = stack(S, inter, R)
-    live = slots != S - 1  # partials of zero-slot tokens are unset in both
-    for rows in (8, 4):
-        st = KernelSettings(lora_run_rows=rows, norm_chunk=128, silu_lora_block=256, run_silu_sb=64)
-        for delta, extra in ((None, None), (d, None), (d, e)):
-            ref = tf.add_rms_norm(x.clone(), delta, w, 1e-5, lora=(aq, slots), extra=extra, settings=st)
-            out = tg.add_rms_norm(x.clone(), delta, w, 1e-5, (aq, slots, qidx), extra, settings=st)
-            _close(out[0], ref[0])
-            _close(out[1], ref[1])
-            _close(out[2][:, live], ref[2][:, live])
-        _, h, part = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq, slots), settings=st)
-        qkv = torch.randn(T, qs + 2 * kvs, generator=g)
-        inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-        positions = torch.randint(0, 40, (T,), generator=g)
-        kv_slots = torch.randperm(16 * 4, generator=g)[:T]
-        for pos in (None, positions):
-            cos, sin = (cos_sin(inv, positions, torch.float32) if pos is None
-                        else cos_sin(inv, torch.arange(40), torch.float32))
-            c_ref, c_out = [torch.zeros(16, 4, KVH, D) for _ in range(2)], [torch.zeros(16, 4, KVH, D) for _ in range(2)]
-            q_ref = tf.rope_write_kv(qkv.clone(), cos, sin, *c_ref, kv_slots, H, KVH, lora=(part, bq, sq, slots),
-                                     positions=pos, settings=st)
-            q_out = tg.rope_write_kv(qkv.clone(), cos, sin, *c_out, kv_slots, H, KVH, (part, bq, sq, slots, qidx),
-                                     pos, settings=st)
-            _close(q_out, q_ref)
-            _close(c_out[0], c_ref[0])
-            _close(c_out[1], c_ref[1])
-        _, _, part_g = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(ag, slots), settings=st)
-        gu = torch.randn(T, 2 * inter, generator=g)
-        act_ref, dpart_ref = tf.silu_mul(gu.clone(), lora=(part_g, bg, sg, ad, slots), settings=st)
-        act, dpart = tg.silu_mul(gu.clone(), (part_g, bg, sg, ad, slots, qidx), settings=st)
-        _close(act, act_ref)
-        _close(dpart[:, live].sum(0), dpart_ref[:, live].sum(0))
 
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
