@@ -287,6 +287,9 @@ def main() -> None:
     ap.add_argument("--mid-scales", nargs="*", type=float, default=[],
                     help="also run plain, forced and gated points on adapters at each of these B scales (between "
                          "the near and very far ones: acceptances where plain and drafting are close)")
+    ap.add_argument("--slot-rank", type=int, default=None,
+                    help="the engine's max_lora_rank (every slot's width; default: each --ranks value, so the adapters "
+                         "fill their slots); e.g. 64 for rank-16 adapters in the served default's slots")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--iters", type=int, default=30)
@@ -336,7 +339,8 @@ def main() -> None:
                                                seed=rank, scale=scale)
                     adapters |= {f"m{j}_{i}": mid for i in range(32)}
             t0 = time.perf_counter()
-            engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32), max_rank=rank,
+            engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32),
+                                  max_rank=max(rank, args.slot_rank or rank),
                                   max_graph_tokens=max(args.batches) * (MAX_K + 1), kernels=kernels, tp=args.tp)
             print(f"[{shape} r{rank}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
@@ -361,7 +365,7 @@ def main() -> None:
 
 
 def run_shape_rank(engine, shape, rank, max_distinct, args, results, dump) -> None:
-    tag = dict(shape=shape, rank=rank)
+    tag = dict(shape=shape, rank=rank, slot_rank=engine.config.max_lora_rank)
     if "load" in args.sections:
         results.setdefault("load", []).append(dict(tag, **cold_load(engine, args.workdir, shape, rank)))
         print(json.dumps(results["load"][-1]), flush=True)

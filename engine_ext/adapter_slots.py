@@ -102,6 +102,10 @@ class PackedAdapter:
     def rank(self) -> int:
         return self.layout.rank
 
+    def group_ranks(self) -> list[int]:
+        """Its rank in each LORA_GROUPS group it targets, 0 in the others (AdapterSlots.rank_table's row)."""
+        return [self.layout.rank if g in self.layout.blocks else 0 for g in LORA_GROUPS]
+
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
@@ -157,7 +161,10 @@ class AdapterSlots:
 
     group_a[g] [L, S, in, nseg*R] (module seg's A in columns seg*R ..), group_b[g] [L, S, R, out_total]
     (modules' B side by side from group_segments[g]), group_scale[g] [L, S, nseg] float32;
-    per module a[m] [L, S, in, R], b[m] [L, S, R, out], scale[m] [L, S] (ranks below R zero-padded)."""
+    per module a[m] [L, S, in, R], b[m] [L, S, R, out], scale[m] [L, S] (ranks below R zero-padded);
+    group_rank[g] [S] int32: each slot's adapter's rank in group g (0: the zero slot, a free slot, a group the
+    adapter leaves alone), so the kernels read only a slot's first group_rank columns of A and rows of B (the rest
+    is zero padding: a rank-16 adapter in rank-64 slots reads a quarter of the bytes)."""
 
     def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
                  policy: LRUPolicy | None = None):
@@ -169,6 +176,8 @@ class AdapterSlots:
         self.slab = torch.zeros(num_slots, self.layout.numel, dtype=dtype, device=self.device)  # [S, row]
         self.scale_slab = torch.zeros(num_slots, spec.num_layers, len(SCALE_COLUMNS), dtype=torch.float32,
                                       device=self.device)  # [S, L, 7]
+        self.rank_table = torch.zeros(num_slots, len(LORA_GROUPS), dtype=torch.int32, device=self.device)  # [S, G]
+        self.group_rank = {g: self.rank_table[:, i] for i, g in enumerate(LORA_GROUPS)}
         self.group_a = {g: self.layout.a(self.slab, g).transpose(0, 1) for g in LORA_GROUPS}
         self.group_b = {g: self.layout.b(self.slab, g).transpose(0, 1) for g in LORA_GROUPS}
         self.group_scale, self.group_segments = {}, {}
@@ -283,6 +292,7 @@ class AdapterSlots:
         self._forget(slot)
         self.slab[slot].zero_()
         self.scale_slab[slot].zero_()
+        self.rank_table[slot].zero_()
         return True
 
     def _forget(self, slot: int) -> None:
@@ -298,6 +308,7 @@ class AdapterSlots:
             direct = adapter.layout == self.layout  # same rank and groups: the packed buffer is the row
             row.copy_(adapter.data) if direct else self._unpack(row, adapter.data, adapter.layout)
             self.scale_slab[slot].copy_(adapter.scales)
+            self.rank_table[slot] = torch.tensor(adapter.group_ranks(), dtype=torch.int32)
             return
         # Forwards already queued may still read the victim's row: the copy starts after them. Issued by `flush`.
         after = torch.cuda.Event()
@@ -316,9 +327,11 @@ class AdapterSlots:
             if not direct:
                 self._unpack(row, dst, adapter.layout)  # device-side, at memory speed
             scales.copy_(adapter.scales, non_blocking=True)
+            ranks = torch.tensor(adapter.group_ranks(), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self.rank_table[slot].copy_(ranks, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
-        load.done, load.keep = done, (adapter.data, adapter.scales, dst)
+        load.done, load.keep = done, (adapter.data, adapter.scales, dst, ranks)
 
     def _unpack(self, row: torch.Tensor, src: torch.Tensor, layout: SlotLayout) -> None:
         """Write a row packed at a lower rank (or over fewer groups) into a slot row; the rest is zero."""

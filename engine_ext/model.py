@@ -39,8 +39,9 @@ class LoRABatch:
     """The adapter side of one forward: which slot each token uses and the slot stacks.
 
     `groups` (optional): per LORA_GROUPS entry the fused stacks (A [L, S, in, nseg*R], B [L, S, R, out_total],
-    scale [L, S, nseg], segment start columns) that `group_op` reads in one call per group; without them,
-    or without a group op, each module's delta is applied on its column slice of the fused output."""
+    scale [L, S, nseg], segment start columns, each slot's rank in the group [S] int32) that `group_op` and the
+    fused kernels read (only a slot's first `rank` columns of A and rows of B: the rest is zero padding); without
+    them, or without a group op, each module's delta is applied on its column slice of the fused output."""
 
     op: LoRAOp
     slots: torch.Tensor  # [T] long, the zero slot for base-only tokens
@@ -55,8 +56,8 @@ class LoRABatch:
         """From an AdapterSlots (its fused group stacks are used when it has them and a group op is given)."""
         groups = None
         if group_op is not None and getattr(slots, "group_a", None) is not None:
-            groups = {g: (slots.group_a[g], slots.group_b[g], slots.group_scale[g], slots.group_segments[g])
-                      for g in LORA_GROUPS}
+            groups = {g: (slots.group_a[g], slots.group_b[g], slots.group_scale[g], slots.group_segments[g],
+                          slots.group_rank[g]) for g in LORA_GROUPS}
         return cls(op, token_slots, slots.a, slots.b, slots.scale, group_op if groups else None, groups)
 
     @property
@@ -69,27 +70,30 @@ class LoRABatch:
 
     # Arguments of the fused kernels (kernels/triton_fused.py) for one layer's groups.
     def shrink_args(self, layer: int, group: str) -> tuple:
-        return self.groups[group][0][layer], self.slots
+        """(A, slots, ranks, R) of the shrink a norm kernel folds."""
+        a, _, _, _, ranks = self.groups[group]
+        return a[layer], self.slots, ranks, self.rank
 
     def expand_args(self, layer: int, group: str, part: torch.Tensor) -> tuple:
-        _, b, scale, _ = self.groups[group]
-        return part, b[layer], scale[layer], self.slots
+        _, b, scale, _, ranks = self.groups[group]
+        return part, b[layer], scale[layer], self.slots, ranks
 
     def silu_args(self, layer: int, part: torch.Tensor) -> tuple:
         """gate/up expand and the down shrink."""
-        _, b, scale, _ = self.groups["gate_up"]
-        return part, b[layer], scale[layer], self.groups["down"][0][layer], self.slots
+        _, b, scale, _, ranks = self.groups["gate_up"]
+        down_a, down_ranks = self.groups["down"][0], self.groups["down"][4]
+        return part, b[layer], scale[layer], down_a[layer], self.slots, ranks, down_ranks
 
     def group_args(self, layer: int, group: str) -> tuple:
-        """(A, B, scale, slots) of a one-module group (o, down) for a whole delta."""
-        a, b, scale, _ = self.groups[group]
-        return a[layer], b[layer], scale[layer], self.slots
+        """(A, B, scale, slots, ranks) of a one-module group (o, down) for a whole delta."""
+        a, b, scale, _, ranks = self.groups[group]
+        return a[layer], b[layer], scale[layer], self.slots, ranks
 
     def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """The deltas of every module of `group` on the fused output y (columns in module order)."""
         if self.groups is not None:
-            a, b, scale, segments = self.groups[group]
-            self.group_op(y, x, a[layer], b[layer], scale[layer], self.slots, segments)
+            a, b, scale, segments, ranks = self.groups[group]
+            self.group_op(y, x, a[layer], b[layer], scale[layer], self.slots, segments, ranks)
             return
         start = 0
         for module in LORA_GROUPS[group]:

@@ -35,7 +35,7 @@ from .pdl import launch as _launch
 from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .settings import KernelSettings
-from .triton_lora import expand_delta, lora_delta
+from .triton_lora import expand_delta, lora_delta, slot_rank
 
 _DEFAULTS = KernelSettings()
 _SILU_BLOCK = 1024  # columns of one silu_mul program without LoRA
@@ -48,10 +48,10 @@ def _rank_block(r: int) -> int:
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr, N, eps, stride_x, stride_d,
                          stride_e, stride_r, stride_o,
-                         a_ptr, slots_ptr, part_ptr, RT, skip_slot, stride_as, stride_ak, stride_ps, stride_pt,
-                         HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr, BLOCK: tl.constexpr,
-                         CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                         PDL: tl.constexpr):
+                         a_ptr, slots_ptr, part_ptr, ranks_ptr, RT, R_SEG, skip_slot, stride_as, stride_ak, stride_ps,
+                         stride_pt, stride_rk, HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr,
+                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                         RANKS: tl.constexpr, PDL: tl.constexpr):
     _wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)  # the output row (and, without ROWS, the input row)
     src_row = row
@@ -73,9 +73,12 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
     slot = 0
     do_lora = False
+    mr = offs_r < RT
     if LORA:
         slot = tl.load(slots_ptr + row).to(tl.int64)
         do_lora = slot != skip_slot
+        # each module's first `rank` of its R_SEG columns: the rest of the slot's A is zero padding
+        mr = mr & (offs_r % R_SEG < slot_rank(ranks_ptr, stride_rk, slot, R_SEG, RANKS))
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for kk in range(0, CHUNK, BK):
         cols = split * CHUNK + kk + tl.arange(0, BK)
@@ -93,7 +96,7 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
         tl.store(out_ptr + row * stride_o + cols, h, mask=mc)
         if do_lora:
             av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
-                         mask=mc[:, None] & (offs_r[None, :] < RT), other=0.0)
+                         mask=mc[:, None] & mr[None, :], other=0.0)
             acc += tl.sum(h.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
     if do_lora:
         tl.store(part_ptr + split * stride_ps + row * stride_pt + offs_r, acc, mask=offs_r < RT)
@@ -104,7 +107,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                  settings: KernelSettings = _DEFAULTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(x + delta, weight * rms_norm(x + delta), LoRA shrink partials or None); with delta None, x itself.
 
-    `lora`: (A [S, N, RT], slots [T]): also part[s, t] = h[t, chunk s] @ A[slot[t], chunk s].
+    `lora`: (A [S, N, RT], slots [T]) or (A, slots, ranks [S] int32, R): also part[s, t] = h[t, chunk s] @
+    A[slot[t], chunk s], reading each module's first ranks[slot] of its R columns (the rest is zero padding).
     `extra` (float32 [T, N], needs delta): delta + extra, rounded to x's dtype, is what is added to x.
     `rows` (integer [M], without lora): only those rows, in that order (x[rows], delta[rows], extra[rows]
     without the gathers); the results then have M rows."""
@@ -125,16 +129,19 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     splits = triton.cdiv(n, settings.norm_chunk) if lora is not None else 1
     chunk = settings.norm_chunk if lora is not None else block
     part = None
+    ranks = None
     if lora is not None:
-        a, slots = lora
+        a, slots, *ranked = lora
+        ranks, r_seg = ranked if ranked else (None, a.shape[2])
         rt = a.shape[2]
         block_r = _rank_block(rt)
         part = torch.empty(splits, num_tokens, rt, dtype=torch.float32, device=x.device)
         bk = settings.norm_lora_bk or max(16, min(chunk, 8192 // block_r))
-        lora_args = (a, slots, part, rt, a.shape[0] - 1, a.stride(0), a.stride(1), part.stride(0), part.stride(1))
+        lora_args = (a, slots, part, ranks if ranks is not None else slots, rt, r_seg, a.shape[0] - 1, a.stride(0),
+                     a.stride(1), part.stride(0), part.stride(1), ranks.stride(0) if ranks is not None else 0)
     else:
         block_r, bk = 1, min(chunk, 2048)
-        lora_args = (x, x, x, 0, 0, 0, 0, 0, 0)
+        lora_args = (x, x, x, x, 0, 1, 0, 0, 0, 0, 0, 0)
     if num_tokens:
         _add_rms_norm_kernel[(num_tokens, splits)](
             x, delta if delta is not None else x, extra if extra is not None else x, weight, res, out,
@@ -142,7 +149,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None,
-            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None,
+            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, RANKS=ranks is not None,
             **_launch(num_tokens, x.device, settings.pdl_max_tokens),
             num_warps=settings.norm_lora_warps if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
@@ -174,10 +181,10 @@ def _expand_row(s, b_ptr, slot, R, col0, col_end, stride_bs, stride_br, NCOL: tl
 @triton.jit
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot_ptr, num_heads, num_kv_heads,
                           stride_t, stride_c, stride_s, stride_kb, stride_ks, stride_kh,
-                          part_ptr, b_ptr, scale_ptr, lslots_ptr, R, num_splits, skip_slot,
-                          stride_ps, stride_pt, stride_bs, stride_br, stride_ss,
+                          part_ptr, b_ptr, scale_ptr, lslots_ptr, ranks_ptr, R, num_splits, skip_slot,
+                          stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_rk,
                           PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                          SPLITS: tl.constexpr, POS: tl.constexpr, PDL: tl.constexpr):
+                          SPLITS: tl.constexpr, POS: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr):
     _wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -196,8 +203,9 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
             col = h * (2 * HALF)
             s = _lora_row(part_ptr, scale_ptr, lslot, t, seg, R, num_splits, stride_ps, stride_pt, stride_ss,
                           SPLITS, BLOCK_R, dt)
-            d1 = _expand_row(s, b_ptr, lslot, R, col, col + HALF, stride_bs, stride_br, HALF, BLOCK_R)
-            d2 = _expand_row(s, b_ptr, lslot, R, col + HALF, col + 2 * HALF, stride_bs, stride_br, HALF, BLOCK_R)
+            rank = slot_rank(ranks_ptr, stride_rk, lslot, R, RANKS)  # B's rows past it are zero padding
+            d1 = _expand_row(s, b_ptr, lslot, rank, col, col + HALF, stride_bs, stride_br, HALF, BLOCK_R)
+            d2 = _expand_row(s, b_ptr, lslot, rank, col + HALF, col + 2 * HALF, stride_bs, stride_br, HALF, BLOCK_R)
             x1 = (x1.to(tl.float32) + d1).to(dt)
             x2 = (x2.to(tl.float32) + d2).to(dt)
     if h < num_heads + num_kv_heads:
@@ -233,39 +241,43 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place). cos/sin are [T, D], or with
     `positions` [T] tables over positions ([P, D], P above every position; CausalLM.build_rope_table).
 
-    `lora`: (part [splits, T, 3R] from add_rms_norm, B [S, R, qkv width], scale [S, 3], slots [T]): the
-    q/k/v LoRA deltas are added first (to the q columns of qkv too)."""
+    `lora`: (part [splits, T, 3R] from add_rms_norm, B [S, R, qkv width], scale [S, 3], slots [T][, ranks [S]
+    int32]): the q/k/v LoRA deltas are added first (to the q columns of qkv too), from B's first ranks[slot] rows."""
     num_tokens, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1 or k_cache.stride(3) != 1:
         raise ValueError("rope_write_kv needs unit stride along the feature dimension")
     if head_dim & (head_dim - 1) or k_cache.stride() != v_cache.stride():
         raise ValueError("rope_write_kv needs a power-of-two head_dim and identically laid out K/V caches")
+    ranks = None
     if lora is not None:
-        part, b, scale, lslots = lora
+        part, b, scale, lslots, *ranked = lora
+        ranks = ranked[0] if ranked else None
         rank = b.shape[1]
-        lora_args = (part, b, scale, lslots, rank, part.shape[0], b.shape[0] - 1, part.stride(0), part.stride(1),
-                     b.stride(0), b.stride(1), scale.stride(0))
+        lora_args = (part, b, scale, lslots, ranks if ranks is not None else lslots, rank, part.shape[0],
+                     b.shape[0] - 1, part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0),
+                     ranks.stride(0) if ranks is not None else 0)
         block_r = _rank_block(rank)
     else:
-        lora_args, block_r = (qkv, qkv, qkv, qkv, 0, 0, 0, 0, 0, 0, 0, 0), 1
+        lora_args, block_r = (qkv, qkv, qkv, qkv, qkv, 0, 0, 0, 0, 0, 0, 0, 0, 0), 1
     if num_tokens:
         _rope_write_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping,
             num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[5] or 1), POS=positions is not None,
+            SPLITS=triton.next_power_of_2(lora_args[6] or 1), POS=positions is not None, RANKS=ranks is not None,
             **_launch(num_tokens, qkv.device, settings.pdl_max_tokens), num_warps=1 if lora is None else settings.rope_lora_warps)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
-                     part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, R, num_splits, R2, skip_slot,
-                     stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak, stride_ds,
-                     stride_dt, BLOCK: tl.constexpr, SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                     part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, ranks_ptr, dranks_ptr, R, num_splits,
+                     R2, skip_slot, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak,
+                     stride_ds, stride_dt, stride_rk, stride_drk, BLOCK: tl.constexpr, SB: tl.constexpr,
+                     LORA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr,
+                     RANKS: tl.constexpr, PDL: tl.constexpr):
     _wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -279,6 +291,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
     dacc = tl.zeros([BLOCK_R2], dtype=tl.float32)
     sg = tl.zeros([BLOCK_R], dtype=tl.float32)
     su = tl.zeros([BLOCK_R], dtype=tl.float32)
+    rank, rank2 = R, R2  # the rows of B_gate_up and columns of A_down the slot's adapter fills (the rest is zero)
+    if LORA:
+        rank = slot_rank(ranks_ptr, stride_rk, slot, R, RANKS)
+        rank2 = slot_rank(dranks_ptr, stride_drk, slot, R2, RANKS)
     if do_lora:
         sg = _lora_row(part_ptr, scale_ptr, slot, row, 0, R, num_splits, stride_ps, stride_pt, stride_ss, SPLITS,
                        BLOCK_R, dt)
@@ -290,8 +306,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         g = tl.load(gu_ptr + row * stride_g + cols, mask=m, other=0.0)
         u = tl.load(gu_ptr + row * stride_g + N + cols, mask=m, other=0.0)
         if do_lora:
-            dg = _expand_row(sg, b_ptr, slot, R, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
-            du = _expand_row(su, b_ptr, slot, R, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
+            dg = _expand_row(sg, b_ptr, slot, rank, nb * BLOCK + c0, N, stride_bs, stride_br, SB, BLOCK_R)
+            du = _expand_row(su, b_ptr, slot, rank, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
             g = (g.to(tl.float32) + dg).to(dt)
             u = (u.to(tl.float32) + du).to(dt)
         gf = g.to(tl.float32)
@@ -299,7 +315,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         tl.store(out_ptr + row * stride_o + cols, act, mask=m)
         if do_lora:
             av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],
-                         mask=m[:, None] & (offs_r2[None, :] < R2), other=0.0)
+                         mask=m[:, None] & (offs_r2[None, :] < rank2), other=0.0)
             dacc += tl.sum(act.to(tl.float32)[:, None] * av.to(tl.float32), axis=0)
     if do_lora:
         tl.store(dpart_ptr + nb * stride_ds + row * stride_dt + offs_r2, dacc, mask=offs_r2 < R2)
@@ -310,8 +326,9 @@ def silu_mul(gate_up: torch.Tensor, lora=None, *,
     """(silu(gate_up[:, :N]) * gate_up[:, N:]  [T, N], down-shrink partials or None).
 
     `lora`: (part [splits, T, 2R] from add_rms_norm, B_gate_up [S, R, 2N], scale [S, 2], A_down [S, N, R2],
-    slots [T]): the gate/up deltas are added before the activation, and part_down[c, t] = act[t, block c]
-    @ A_down[slot[t], block c] is returned for lora_expand."""
+    slots [T][, ranks, down_ranks: [S] int32]): the gate/up deltas are added before the activation, and
+    part_down[c, t] = act[t, block c] @ A_down[slot[t], block c] is returned for lora_expand; with the ranks, only
+    B_gate_up's first ranks[slot] rows and A_down's first down_ranks[slot] columns are read (the rest is zero)."""
     num_tokens, width = gate_up.shape
     n = width // 2
     if gate_up.stride(1) != 1:
@@ -320,23 +337,28 @@ def silu_mul(gate_up: torch.Tensor, lora=None, *,
     block = min(_SILU_BLOCK if lora is None else settings.silu_lora_block, triton.next_power_of_2(n))
     nblocks = triton.cdiv(n, block)
     dpart = None
+    ranks = down_ranks = None
     if lora is not None:
-        part, b, scale, a_down, slots = lora
+        part, b, scale, a_down, slots, *ranked = lora
+        ranks, down_ranks = ranked if ranked else (None, None)
         rank, r2 = b.shape[1], a_down.shape[2]
         block_r, block_r2 = _rank_block(rank), _rank_block(r2)
         sb = min(block, settings.silu_lora_sb or max(16, min(block, 8192 // max(block_r, block_r2))))
         dpart = torch.empty(nblocks, num_tokens, r2, dtype=torch.float32, device=gate_up.device)
-        lora_args = (part, b, scale, slots, a_down, dpart, rank, part.shape[0], r2, b.shape[0] - 1,
+        lora_args = (part, b, scale, slots, a_down, dpart, ranks if ranks is not None else slots,
+                     down_ranks if down_ranks is not None else slots, rank, part.shape[0], r2, b.shape[0] - 1,
                      part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), a_down.stride(0),
-                     a_down.stride(1), dpart.stride(0), dpart.stride(1))
+                     a_down.stride(1), dpart.stride(0), dpart.stride(1), ranks.stride(0) if ranks is not None else 0,
+                     down_ranks.stride(0) if down_ranks is not None else 0)
     else:
         block_r = block_r2 = 1
         sb = block
-        lora_args = (gate_up,) * 6 + (0,) * 13
+        lora_args = (gate_up,) * 8 + (0,) * 15
     if num_tokens:
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
-                                                BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[7] or 1),
+                                                BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[9] or 1),
+                                                RANKS=ranks is not None,
                                                 **_launch(num_tokens, gate_up.device, settings.pdl_max_tokens),
                                                 num_warps=settings.silu_lora_warps if lora is not None else 4)
     return out, dpart
@@ -401,8 +423,8 @@ class TritonOps:
     def silu_mul(self, gate_up, lora=None):
         return silu_mul(gate_up, lora, settings=self.settings)
 
-    def lora_delta(self, x, a, b, scale, slots):
-        return lora_delta(x, a, b, scale, slots, settings=self.settings)
+    def lora_delta(self, x, a, b, scale, slots, ranks=None):
+        return lora_delta(x, a, b, scale, slots, ranks, settings=self.settings)
 
-    def expand_delta(self, part, b, scale, slots):
-        return expand_delta(part, b, scale, slots, settings=self.settings)
+    def expand_delta(self, part, b, scale, slots, ranks=None):
+        return expand_delta(part, b, scale, slots, ranks, settings=self.settings)

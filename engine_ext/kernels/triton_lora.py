@@ -49,14 +49,26 @@ def _run_rows(slots_ptr, t, T, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, T, K, R, k_per_split, skip_slot,
-                   stride_xt, stride_as, stride_ak, stride_ps, stride_pt,
-                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+def slot_rank(ranks_ptr, stride_rk, slot, R, RANKS: tl.constexpr):
+    """A slot's adapter's rank (its first columns of A and rows of B; the rest is zero padding), or R without a
+    rank table."""
+    if RANKS:
+        return tl.load(ranks_ptr + slot * stride_rk)
+    return R
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, ranks_ptr, T, K, R, R_SEG, k_per_split, skip_slot,
+                   stride_xt, stride_as, stride_ak, stride_ps, stride_pt, stride_rk,
+                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+                   RANKS: tl.constexpr):
     t = tl.program_id(0)
     split = tl.program_id(1)
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
     if leader & (slot != skip_slot):
         offs_r = tl.arange(0, BLOCK_R)
+        # the columns of A the slot's adapter fills: each module's first `rank` of its R_SEG
+        mr = (offs_r < R) & (offs_r % R_SEG < slot_rank(ranks_ptr, stride_rk, slot, R_SEG, RANKS))
         acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
         k_start = split * k_per_split
         a_base = a_ptr + slot * stride_as
@@ -66,7 +78,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, T, K, R, k_per_split, skip
             xv = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
                          mask=rows[:, None] & mk[None, :], other=0.0)
             av = tl.load(a_base + offs_k[:, None] * stride_ak + offs_r[None, :],
-                         mask=mk[:, None] & (offs_r[None, :] < R), other=0.0)
+                         mask=mk[:, None] & mr[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(xv, av, input_precision="ieee")
             else:
@@ -83,17 +95,17 @@ def _segment(nb, BLOCK_N: tl.constexpr, SEG1, SEG2):
 
 
 @triton.jit
-def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, T, N, R, num_splits, skip_slot, SEG1, SEG2,
-                   stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt,
+def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, ranks_ptr, T, N, R, num_splits, skip_slot, SEG1,
+                   SEG2, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt, stride_rk,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, STORE: tl.constexpr):
+                   SPLITS: tl.constexpr, STORE: tl.constexpr, RANKS: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
     if leader & ((slot != skip_slot) | STORE):  # STORE: zero-slot runs store zeros (their partials are unset)
         seg = _segment(nb, BLOCK_N, SEG1, SEG2)
         offs_r = tl.arange(0, BLOCK_R)
-        mr = (offs_r < R) & (slot != skip_slot)
+        mr = (offs_r < slot_rank(ranks_ptr, stride_rk, slot, R, RANKS)) & (offs_r < R) & (slot != skip_slot)
         # every split's partial in one 3-D load (a loop over them would wait on each load in turn)
         offs_s = tl.arange(0, SPLITS)
         parts = tl.load(part_ptr + offs_s[:, None, None] * stride_ps + offs_t[None, :, None] * stride_pt + seg * R
@@ -125,9 +137,12 @@ def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
     return block_r, max(32, budget // block_r)
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int, *,
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int,
+                ranks: torch.Tensor | None = None, segment: int | None = None, *,
                 settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
-    """part[s, t, :] summed over s = x[t] @ A[slot[t]]   -> [splits, T, R] float32 (rows of skipped tokens undefined)."""
+    """part[s, t, :] summed over s = x[t] @ A[slot[t]]   -> [splits, T, R] float32 (rows of skipped tokens undefined).
+    `ranks` ([S] int32, AdapterSlots.group_rank): only each module's first ranks[slot] of its `segment` columns
+    (default: all of A's) are read, the rest being zero padding."""
     num_tokens, fan_in = x.shape
     rank = a.shape[2]
     block_r, block_k = _tile(rank)
@@ -139,10 +154,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot
     part = torch.empty(splits, num_tokens, rank, dtype=torch.float32, device=x.device)
     if num_tokens:
         _shrink_kernel[(num_tokens, splits)](
-            x, a, slots, part, num_tokens, fan_in, rank, k_per_split, skip_slot,
-            x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
+            x, a, slots, part, ranks if ranks is not None else slots, num_tokens, fan_in, rank, segment or rank,
+            k_per_split, skip_slot, x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
+            ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
-            num_warps=settings.shrink_warps)
+            RANKS=ranks is not None, num_warps=settings.shrink_warps)
     return part
 
 
@@ -156,11 +172,12 @@ def _segment_args(segments: tuple[int, ...], fan_out: int, block_n: int) -> tupl
 
 
 def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                skip_slot: int, segments: tuple[int, ...] = (0,), store: bool = False, *,
-                settings: KernelSettings = _DEFAULTS) -> None:
+                skip_slot: int, segments: tuple[int, ...] = (0,), store: bool = False,
+                ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> None:
     """y[t, seg cols] += sum_s part[s, t, seg*R:(seg+1)*R] @ B[slot[t], :, seg cols] * scale[slot[t], seg]
     (in place; y may be a column slice). `scale` is [S] for one module or [S, nseg] for a fused group.
-    store: y (float32) = the delta itself, zero on skip_slot's rows."""
+    store: y (float32) = the delta itself, zero on skip_slot's rows. `ranks` ([S] int32): only the first
+    ranks[slot] rows of B are read (the rest is zero padding)."""
     num_tokens, fan_out = y.shape
     rank = b.shape[1]
     block_r, block_n = _tile(rank)
@@ -168,28 +185,31 @@ def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: tor
     seg1, seg2, block_n = _segment_args(segments, fan_out, min(block_n, triton.next_power_of_2(fan_out)))
     if num_tokens:
         _expand_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
-            part, b, scale, slots, y, num_tokens, fan_out, rank, part.shape[0], skip_slot, seg1, seg2,
-            part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0), y.stride(0),
+            part, b, scale, slots, y, ranks if ranks is not None else slots, num_tokens, fan_out, rank, part.shape[0],
+            skip_slot, seg1, seg2, part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0),
+            y.stride(0), ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
-            SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, num_warps=settings.expand_warps)
+            SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, RANKS=ranks is not None,
+            num_warps=settings.expand_warps)
 
 
-def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, *,
-                 settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
+def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                 ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """sum_s part[s, t] @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32, zero for tokens on the zero slot
-    (S - 1). `scale` [S] or [S, 1]."""
+    (S - 1). `scale` [S] or [S, 1]; `ranks` as lora_expand's."""
     out = torch.empty(part.shape[1], b.shape[2], dtype=torch.float32, device=b.device)
-    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True, settings=settings)
+    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True, ranks=ranks, settings=settings)
     return out
 
 
-def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, *,
-               settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+               ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """(x[t] @ A[slot[t]]) @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32 (the rank-space product rounded
-    to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it."""
+    to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it. `ranks`
+    ([S] int32): each slot's rank, past which A and B are zero padding and not read."""
     _check(x, x, a, b)
-    part = lora_shrink(x, a, slots, a.shape[0] - 1, settings=settings)
-    return expand_delta(part, b, scale, slots, settings=settings)
+    part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, settings=settings)
+    return expand_delta(part, b, scale, slots, ranks, settings=settings)
 
 
 def _check(y, x, a, b) -> None:
@@ -204,14 +224,15 @@ def add_lora_triton(
     b: torch.Tensor,  # [S, R, out]
     scale: torch.Tensor,  # [S]
     slots: torch.Tensor,  # [T] long; slot S - 1 is the all-zero slot of base-only tokens
+    ranks: torch.Tensor | None = None,  # [S] int32: each slot's rank, past which A and B are zero and not read
     *,
     settings: KernelSettings = _DEFAULTS,
 ) -> None:
     """y[i] += (x[i] @ A[slots[i]]) @ B[slots[i]] * scale[slots[i]]; lora_backend "triton"'s op."""
     _check(y, x, a, b)
     skip_slot = a.shape[0] - 1
-    part = lora_shrink(x, a, slots, skip_slot, settings=settings)
-    lora_expand(y, part, b, scale, slots, skip_slot, settings=settings)
+    part = lora_shrink(x, a, slots, skip_slot, ranks, settings=settings)
+    lora_expand(y, part, b, scale, slots, skip_slot, ranks=ranks, settings=settings)
 
 
 def add_lora_group_triton(
@@ -222,6 +243,7 @@ def add_lora_group_triton(
     scale: torch.Tensor,  # [S, nseg]
     slots: torch.Tensor,  # [T] long; slot S - 1 is the all-zero slot
     segments: tuple[int, ...],  # start column of each module in y (0 first)
+    ranks: torch.Tensor | None = None,  # [S] int32: each slot's rank, past which A and B are zero and not read
     *,
     settings: KernelSettings = _DEFAULTS,
 ) -> None:
@@ -234,7 +256,7 @@ def add_lora_group_triton(
         ends = list(segments[1:]) + [y.shape[1]]
         for seg, (start, end) in enumerate(zip(segments, ends)):
             add_lora_triton(y[:, start:end], x, a[:, :, seg * rank : (seg + 1) * rank], b[:, :, start:end],
-                            scale[:, seg], slots, settings=settings)
+                            scale[:, seg], slots, ranks, settings=settings)
         return
-    part = lora_shrink(x, a, slots, skip_slot, settings=settings)
-    lora_expand(y, part, b, scale, slots, skip_slot, segments, settings=settings)
+    part = lora_shrink(x, a, slots, skip_slot, ranks, rank, settings=settings)
+    lora_expand(y, part, b, scale, slots, skip_slot, segments, ranks=ranks, settings=settings)

@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|lora|engine
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine
 """
 
 from __future__ import annotations
@@ -138,6 +138,72 @@ def fused():
     # the down delta on its own (the side-stream expand): zero on the zero slot, whatever its partials hold
     part_d[:, slots == S - 1] = float("nan")
     _close(tf.expand_delta(part_d, bd, sd, slots) + y0, ref)
+
+
+def ranks():
+    """With each slot's rank given (AdapterSlots.group_rank), the kernels read only a slot's first `rank` columns of
+    each module's A and rows of B: a slot whose padding holds garbage gives the result of its weights cut to its
+    rank, in the fused kernels (norm + shrink, rotary + expand, SiLU + expand + down shrink, the down delta's expand).
+    (The split shrink's K loop has runtime bounds, which this interpreter does not run: gpu/test_triton_lora.py checks
+    it.)"""
+    from engine_ext.kernels import triton_fused as tf
+    from engine_ext.rope import cos_sin
+
+    g = torch.Generator().manual_seed(4)
+    T, H, KVH, D, hid, inter, S, R = 7, 4, 2, 16, 96, 160, 4, 8
+    qs, kvs = H * D, KVH * D
+    slots = torch.tensor([0, 1, 3, 2, 1, 0, 2])  # 3: the zero slot
+    ranks = torch.tensor([8, 3, 5, 0], dtype=torch.int32)
+
+    def stacks(fan_in, outs):
+        """(A, B) full of values everywhere, and the same cut to each slot's rank (what the kernels must see)."""
+        nseg = len(outs)
+        a, b = torch.randn(S, fan_in, nseg * R, generator=g), torch.randn(S, R, sum(outs), generator=g)
+        a_cut, b_cut = a.clone(), b.clone()
+        for s, r in enumerate(ranks.tolist()):
+            for seg in range(nseg):
+                a_cut[s, :, seg * R + r : (seg + 1) * R] = 0
+            b_cut[s, r:] = 0
+        return a, b, a_cut, b_cut
+
+    x = torch.randn(T, hid, generator=g)
+    # the fused kernels: norm + q/k/v shrink, rotary + expand
+    aq, bq, aq_cut, bq_cut = stacks(hid, (qs, kvs, kvs))
+    d, w = torch.randn(T, hid, generator=g), torch.randn(hid, generator=g)
+    _, h_ref, part_ref = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq_cut, slots))
+    _, h, part = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq, slots, ranks, R))
+    live = slots != S - 1
+    _close(h, h_ref)
+    _close(part[:, live], part_ref[:, live])
+    qkv = torch.randn(T, qs + 2 * kvs, generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = cos_sin(inv, torch.arange(T), torch.float32)
+    kv_slots = torch.arange(T) * 3
+    caches = [torch.zeros(8, 4, KVH, D) for _ in range(4)]
+    q_ref = tf.rope_write_kv(qkv.clone(), cos, sin, caches[0], caches[1], kv_slots, H, KVH,
+                             lora=(part_ref, bq_cut, sq := torch.rand(S, 3, generator=g), slots))
+    q = tf.rope_write_kv(qkv.clone(), cos, sin, caches[2], caches[3], kv_slots, H, KVH, lora=(part, bq, sq, slots, ranks))
+    _close(q, q_ref)
+    _close(caches[2], caches[0])
+    _close(caches[3], caches[1])
+    # SiLU + gate/up expand + down shrink (the down module at another rank), the down delta on the side stream
+    ag, bg, ag_cut, bg_cut = stacks(hid, (inter, inter))
+    ad, bd, ad_cut, bd_cut = stacks(inter, (hid,))
+    down_ranks = torch.tensor([2, 3, 8, 0], dtype=torch.int32)
+    for s, r in enumerate(down_ranks.tolist()):
+        ad_cut[s] = ad[s]
+        ad_cut[s, :, r:] = 0
+        bd_cut[s] = bd[s]
+        bd_cut[s, r:] = 0
+    sg, sd = torch.rand(S, 2, generator=g), torch.rand(S, 1, generator=g)
+    _, _, pg_ref = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(ag_cut, slots))
+    _, _, pg = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(ag, slots, ranks, R))
+    gu = torch.randn(T, 2 * inter, generator=g)
+    act_ref, pd_ref = tf.silu_mul(gu.clone(), lora=(pg_ref, bg_cut, sg, ad_cut, slots))
+    act, pd = tf.silu_mul(gu.clone(), lora=(pg, bg, sg, ad, slots, ranks, down_ranks))
+    _close(act, act_ref)
+    _close(pd[:, live].sum(0), pd_ref[:, live].sum(0))
+    _close(tf.expand_delta(pd, bd, sd, slots, down_ranks), tf.expand_delta(pd_ref, bd_cut, sd, slots))
 
 
 def lora():

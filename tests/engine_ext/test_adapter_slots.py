@@ -57,10 +57,16 @@ def assert_slot_holds(s: AdapterSlots, slot: int, w: LoRAWeights) -> None:
                 assert gs[seg].item() == pytest.approx(scale)
                 assert torch.equal(s.a[m][layer, slot], a) and torch.equal(s.b[m][layer, slot], b)
                 assert s.scale[m][layer, slot].item() == pytest.approx(scale)
+            # the group's rank bounds every non-zero column of A and row of B: the kernels read no further
+            rank = s.group_rank[g][slot].item()
+            assert rank == (w.rank if any(m in {mod for _, mod in w.a} for m in modules) else 0), g
+            for seg in range(len(modules)):
+                assert not ga[:, seg * R + rank : (seg + 1) * R].any()
+            assert not gb[rank:].any()
 
 
 def assert_zero(s: AdapterSlots, slot: int) -> None:
-    assert not s.slab[slot].any() and not s.scale_slab[slot].any()
+    assert not s.slab[slot].any() and not s.scale_slab[slot].any() and not s.rank_table[slot].any()
 
 
 ALL = {m: R for m in LORA_MODULES}

@@ -98,3 +98,42 @@ def test_graph_replay_follows_a_new_slot_mix_without_recapture():
         ref = torch.zeros(32, 256, device="cuda")
         add_lora_reference(ref, x.float(), a.float(), b.float(), scale, idx)
         assert _rel(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_slots_rank_bounds_what_the_op_reads(dtype):
+    """With each slot's rank (AdapterSlots.group_rank), the op reads only a slot's first `rank` columns of A (each
+    module's, in a fused group) and rows of B: padding filled with garbage gives the result of the weights cut to
+    the rank, in the one-module op, the fused-group op and the float32 delta."""
+    from engine_ext.kernels import triton_lora
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    t, fin, outs, rank, num_slots = 48, 2048, (2048, 512, 512), 64, 9
+    nseg = len(outs)
+    a = (torch.randn(num_slots, fin, nseg * rank, generator=gen, device="cuda") * fin**-0.5).to(dtype)
+    b = torch.randn(num_slots, rank, sum(outs), generator=gen, device="cuda").to(dtype)
+    ranks = torch.tensor([16, 64, 8, 32, 16, 1, 64, 4, 0], dtype=torch.int32, device="cuda")
+    a_cut, b_cut = a.clone(), b.clone()
+    for s, r in enumerate(ranks.tolist()):
+        for seg in range(nseg):
+            a_cut[s, :, seg * rank + r : (seg + 1) * rank] = 0
+        b_cut[s, r:] = 0
+    scale = torch.rand(num_slots, nseg, generator=gen, device="cuda")
+    slots = torch.randint(0, num_slots, (t,), generator=gen, device="cuda")
+    x = torch.randn(t, fin, generator=gen, device="cuda").to(dtype)
+    y0 = torch.randn(t, sum(outs), generator=gen, device="cuda").to(dtype)
+    segments = (0, outs[0], outs[0] + outs[1])
+    ref, out = y0.clone(), y0.clone()
+    triton_lora.add_lora_group_triton(ref, x, a_cut, b_cut, scale, slots, segments)
+    triton_lora.add_lora_group_triton(out, x, a, b, scale, slots, segments, ranks)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    one_a, one_b = a[:, :, :rank].contiguous(), b[:, :, : outs[0]].contiguous()
+    ref, out = y0[:, : outs[0]].clone(), y0[:, : outs[0]].clone()
+    triton_lora.add_lora_triton(ref, x, a_cut[:, :, :rank].contiguous(), b_cut[:, :, : outs[0]].contiguous(),
+                                scale[:, 0].contiguous(), slots)
+    triton_lora.add_lora_triton(out, x, one_a, one_b, scale[:, 0].contiguous(), slots, ranks)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    delta = triton_lora.lora_delta(x, one_a, one_b, scale[:, 0].contiguous(), slots, ranks)
+    ref_delta = triton_lora.lora_delta(x, a_cut[:, :, :rank].contiguous(), b_cut[:, :, : outs[0]].contiguous(),
+                                       scale[:, 0].contiguous(), slots)
+    torch.testing.assert_close(delta, ref_delta, rtol=0, atol=0)
