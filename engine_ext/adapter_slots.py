@@ -163,8 +163,8 @@ class AdapterSlots:
     (modules' B side by side from group_segments[g]), group_scale[g] [L, S, nseg] float32;
     per module a[m] [L, S, in, R], b[m] [L, S, R, out], scale[m] [L, S] (ranks below R zero-padded);
     group_rank[g] [S] int32: each slot's adapter's rank in group g (0: the zero slot, a free slot, a group the
-    adapter leaves alone), so the kernels read only a slot's first group_rank columns of A and rows of B (the rest
-    is zero padding: a rank-16 adapter in rank-64 slots reads a quarter of the bytes)."""
+    adapter leaves alone): past it a slot's A columns and B rows are zero padding, which the Triton kernels skip
+    with KernelSettings.rank_masks."""
 
     def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
                  policy: LRUPolicy | None = None):

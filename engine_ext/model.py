@@ -39,9 +39,9 @@ class LoRABatch:
     """The adapter side of one forward: which slot each token uses and the slot stacks.
 
     `groups` (optional): per LORA_GROUPS entry the fused stacks (A [L, S, in, nseg*R], B [L, S, R, out_total],
-    scale [L, S, nseg], segment start columns, each slot's rank in the group [S] int32) that `group_op` and the
-    fused kernels read (only a slot's first `rank` columns of A and rows of B: the rest is zero padding); without
-    them, or without a group op, each module's delta is applied on its column slice of the fused output."""
+    scale [L, S, nseg], segment start columns, each slot's rank in the group [S] int32: past it A and B are zero
+    padding) that `group_op` and the fused kernels read; without them, or without a group op, each module's delta is
+    applied on its column slice of the fused output."""
 
     op: LoRAOp
     slots: torch.Tensor  # [T] long, the zero slot for base-only tokens

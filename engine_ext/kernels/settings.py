@@ -63,6 +63,11 @@ class KernelSettings:
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel
     # before it shortens the forward); 0: never
     pdl_max_tokens: int = 32
+    # ---- a slot's rank (AdapterSlots.rank_table): 1 masks every LoRA kernel's A columns and B rows past each slot's
+    # adapter rank (zero padding), 0 reads the slots' full width. Off: as written (a mask from a rank read on the
+    # device costs the A loads their vector width) the verify pass at batch 32 took 1.4-1.6x, while the plain step
+    # at batch 32 gained 7% (H100, rank-16 adapters in rank-64 slots, bench/RESULTS.md section 1)
+    rank_masks: int = 0
     # ---- split LoRA shrink / expand (triton_lora.py)
     shrink_warps: int = 2
     expand_warps: int = 4
@@ -85,6 +90,8 @@ class KernelSettings:
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
+        if self.rank_masks not in (0, 1):
+            raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         if self.pdl_max_tokens < 0:
             raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
         if self.fold_multi_token_ranks < 0:

@@ -36,6 +36,7 @@ from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .settings import KernelSettings
 from .triton_lora import expand_delta, lora_delta, slot_rank
+from .triton_lora import masks_ranks as _masks
 
 _DEFAULTS = KernelSettings()
 _SILU_BLOCK = 1024  # columns of one silu_mul program without LoRA
@@ -149,7 +150,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args,
             HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None, LORA=lora is not None,
-            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, RANKS=ranks is not None,
+            BLOCK=block, CHUNK=chunk, BK=bk, BLOCK_R=block_r, ROWS=rows is not None, RANKS=_masks(ranks, settings),
             **_launch(num_tokens, x.device, settings.pdl_max_tokens),
             num_warps=settings.norm_lora_warps if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
@@ -266,7 +267,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
-            SPLITS=triton.next_power_of_2(lora_args[6] or 1), POS=positions is not None, RANKS=ranks is not None,
+            SPLITS=triton.next_power_of_2(lora_args[6] or 1), POS=positions is not None, RANKS=_masks(ranks, settings),
             **_launch(num_tokens, qkv.device, settings.pdl_max_tokens), num_warps=1 if lora is None else settings.rope_lora_warps)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
@@ -358,7 +359,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None, *,
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[9] or 1),
-                                                RANKS=ranks is not None,
+                                                RANKS=_masks(ranks, settings),
                                                 **_launch(num_tokens, gate_up.device, settings.pdl_max_tokens),
                                                 num_warps=settings.silu_lora_warps if lora is not None else 4)
     return out, dpart

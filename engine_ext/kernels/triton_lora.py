@@ -48,6 +48,11 @@ def _run_rows(slots_ptr, t, T, BLOCK_T: tl.constexpr):
     return slot, leader, offs_t, rows
 
 
+def masks_ranks(ranks: torch.Tensor | None, settings: KernelSettings) -> bool:
+    """Whether a launch masks A and B past each slot's rank: given the slots' ranks, with KernelSettings.rank_masks."""
+    return ranks is not None and settings.rank_masks == 1
+
+
 @triton.jit
 def slot_rank(ranks_ptr, stride_rk, slot, R, RANKS: tl.constexpr):
     """A slot's adapter's rank (its first columns of A and rows of B; the rest is zero padding), or R without a
@@ -158,7 +163,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot
             k_per_split, skip_slot, x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
             ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
-            RANKS=ranks is not None, num_warps=settings.shrink_warps)
+            RANKS=masks_ranks(ranks, settings), num_warps=settings.shrink_warps)
     return part
 
 
@@ -189,7 +194,7 @@ def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: tor
             skip_slot, seg1, seg2, part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0),
             y.stride(0), ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
-            SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, RANKS=ranks is not None,
+            SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, RANKS=masks_ranks(ranks, settings),
             num_warps=settings.expand_warps)
 
 

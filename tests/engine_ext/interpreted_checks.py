@@ -141,14 +141,16 @@ def fused():
 
 
 def ranks():
-    """With each slot's rank given (AdapterSlots.group_rank), the kernels read only a slot's first `rank` columns of
+    """With each slot's rank given (AdapterSlots.group_rank) and KernelSettings.rank_masks, the kernels read only a slot's first `rank` columns of
     each module's A and rows of B: a slot whose padding holds garbage gives the result of its weights cut to its
     rank, in the fused kernels (norm + shrink, rotary + expand, SiLU + expand + down shrink, the down delta's expand).
     (The split shrink's K loop has runtime bounds, which this interpreter does not run: gpu/test_triton_lora.py checks
     it.)"""
+    from engine_ext.kernels import KernelSettings
     from engine_ext.kernels import triton_fused as tf
     from engine_ext.rope import cos_sin
 
+    st = KernelSettings(rank_masks=1)
     g = torch.Generator().manual_seed(4)
     T, H, KVH, D, hid, inter, S, R = 7, 4, 2, 16, 96, 160, 4, 8
     qs, kvs = H * D, KVH * D
@@ -171,7 +173,7 @@ def ranks():
     aq, bq, aq_cut, bq_cut = stacks(hid, (qs, kvs, kvs))
     d, w = torch.randn(T, hid, generator=g), torch.randn(hid, generator=g)
     _, h_ref, part_ref = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq_cut, slots))
-    _, h, part = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq, slots, ranks, R))
+    _, h, part = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(aq, slots, ranks, R), settings=st)
     live = slots != S - 1
     _close(h, h_ref)
     _close(part[:, live], part_ref[:, live])
@@ -182,7 +184,8 @@ def ranks():
     caches = [torch.zeros(8, 4, KVH, D) for _ in range(4)]
     q_ref = tf.rope_write_kv(qkv.clone(), cos, sin, caches[0], caches[1], kv_slots, H, KVH,
                              lora=(part_ref, bq_cut, sq := torch.rand(S, 3, generator=g), slots))
-    q = tf.rope_write_kv(qkv.clone(), cos, sin, caches[2], caches[3], kv_slots, H, KVH, lora=(part, bq, sq, slots, ranks))
+    q = tf.rope_write_kv(qkv.clone(), cos, sin, caches[2], caches[3], kv_slots, H, KVH, lora=(part, bq, sq, slots, ranks),
+                         settings=st)
     _close(q, q_ref)
     _close(caches[2], caches[0])
     _close(caches[3], caches[1])
@@ -197,13 +200,13 @@ def ranks():
         bd_cut[s, r:] = 0
     sg, sd = torch.rand(S, 2, generator=g), torch.rand(S, 1, generator=g)
     _, _, pg_ref = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(ag_cut, slots))
-    _, _, pg = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(ag, slots, ranks, R))
+    _, _, pg = tf.add_rms_norm(x.clone(), d, w, 1e-5, lora=(ag, slots, ranks, R), settings=st)
     gu = torch.randn(T, 2 * inter, generator=g)
     act_ref, pd_ref = tf.silu_mul(gu.clone(), lora=(pg_ref, bg_cut, sg, ad_cut, slots))
-    act, pd = tf.silu_mul(gu.clone(), lora=(pg, bg, sg, ad, slots, ranks, down_ranks))
+    act, pd = tf.silu_mul(gu.clone(), lora=(pg, bg, sg, ad, slots, ranks, down_ranks), settings=st)
     _close(act, act_ref)
     _close(pd[:, live].sum(0), pd_ref[:, live].sum(0))
-    _close(tf.expand_delta(pd, bd, sd, slots, down_ranks), tf.expand_delta(pd_ref, bd_cut, sd, slots))
+    _close(tf.expand_delta(pd, bd, sd, slots, down_ranks, settings=st), tf.expand_delta(pd_ref, bd_cut, sd, slots))
 
 
 def lora():

@@ -102,11 +102,12 @@ def test_graph_replay_follows_a_new_slot_mix_without_recapture():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_slots_rank_bounds_what_the_op_reads(dtype):
-    """With each slot's rank (AdapterSlots.group_rank), the op reads only a slot's first `rank` columns of A (each
+    """With each slot's rank (AdapterSlots.group_rank) and KernelSettings.rank_masks, the op reads only a slot's first `rank` columns of A (each
     module's, in a fused group) and rows of B: padding filled with garbage gives the result of the weights cut to
     the rank, in the one-module op, the fused-group op and the float32 delta."""
-    from engine_ext.kernels import triton_lora
+    from engine_ext.kernels import KernelSettings, triton_lora
 
+    st = KernelSettings(rank_masks=1)
     gen = torch.Generator("cuda").manual_seed(11)
     t, fin, outs, rank, num_slots = 48, 2048, (2048, 512, 512), 64, 9
     nseg = len(outs)
@@ -125,15 +126,15 @@ def test_a_slots_rank_bounds_what_the_op_reads(dtype):
     segments = (0, outs[0], outs[0] + outs[1])
     ref, out = y0.clone(), y0.clone()
     triton_lora.add_lora_group_triton(ref, x, a_cut, b_cut, scale, slots, segments)
-    triton_lora.add_lora_group_triton(out, x, a, b, scale, slots, segments, ranks)
+    triton_lora.add_lora_group_triton(out, x, a, b, scale, slots, segments, ranks, settings=st)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     one_a, one_b = a[:, :, :rank].contiguous(), b[:, :, : outs[0]].contiguous()
     ref, out = y0[:, : outs[0]].clone(), y0[:, : outs[0]].clone()
     triton_lora.add_lora_triton(ref, x, a_cut[:, :, :rank].contiguous(), b_cut[:, :, : outs[0]].contiguous(),
                                 scale[:, 0].contiguous(), slots)
-    triton_lora.add_lora_triton(out, x, one_a, one_b, scale[:, 0].contiguous(), slots, ranks)
+    triton_lora.add_lora_triton(out, x, one_a, one_b, scale[:, 0].contiguous(), slots, ranks, settings=st)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    delta = triton_lora.lora_delta(x, one_a, one_b, scale[:, 0].contiguous(), slots, ranks)
+    delta = triton_lora.lora_delta(x, one_a, one_b, scale[:, 0].contiguous(), slots, ranks, settings=st)
     ref_delta = triton_lora.lora_delta(x, a_cut[:, :, :rank].contiguous(), b_cut[:, :, : outs[0]].contiguous(),
                                        scale[:, 0].contiguous(), slots)
     torch.testing.assert_close(delta, ref_delta, rtol=0, atol=0)
