@@ -512,7 +512,8 @@ def main() -> None:
     ready_entries = _cache_entries(args.compile_cache)
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
-    result = {"machine": machine(), "kernel_settings": args.kernel_settings, "loop": args.loop, "shape": args.shape, "tp": args.tp, "spec": args.spec,
+    result = {"machine": machine(), "kernel_settings": args.kernel_settings, "loop": args.loop, "shape": args.shape,
+              "tp": args.tp, "spec": args.spec,
               "draft_lead": args.draft_lead, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,
               "startup": startup, "cache_entries_before": before,

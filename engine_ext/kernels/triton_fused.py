@@ -51,8 +51,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
                          stride_e, stride_r, stride_o,
                          a_ptr, slots_ptr, part_ptr, ranks_ptr, RT, R_SEG, skip_slot, stride_as, stride_ak, stride_ps,
                          stride_pt, stride_rk, HAS_DELTA: tl.constexpr, HAS_EXTRA: tl.constexpr, LORA: tl.constexpr,
-                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                         RANKS: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BLOCK_R: tl.constexpr,
+                         ROWS: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr):
     _wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)  # the output row (and, without ROWS, the input row)
     src_row = row
@@ -268,7 +268,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
             SPLITS=triton.next_power_of_2(lora_args[6] or 1), POS=positions is not None, RANKS=_masks(ranks, settings),
-            **_launch(num_tokens, qkv.device, settings.pdl_max_tokens), num_warps=1 if lora is None else settings.rope_lora_warps)
+            **_launch(num_tokens, qkv.device, settings.pdl_max_tokens),
+            num_warps=1 if lora is None else settings.rope_lora_warps)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
 
 

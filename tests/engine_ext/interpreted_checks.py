@@ -184,7 +184,8 @@ def ranks():
     caches = [torch.zeros(8, 4, KVH, D) for _ in range(4)]
     q_ref = tf.rope_write_kv(qkv.clone(), cos, sin, caches[0], caches[1], kv_slots, H, KVH,
                              lora=(part_ref, bq_cut, sq := torch.rand(S, 3, generator=g), slots))
-    q = tf.rope_write_kv(qkv.clone(), cos, sin, caches[2], caches[3], kv_slots, H, KVH, lora=(part, bq, sq, slots, ranks),
+    q = tf.rope_write_kv(qkv.clone(), cos, sin, caches[2], caches[3], kv_slots, H, KVH,
+                         lora=(part, bq, sq, slots, ranks),
                          settings=st)
     _close(q, q_ref)
     _close(caches[2], caches[0])

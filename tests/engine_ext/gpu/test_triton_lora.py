@@ -102,9 +102,9 @@ def test_graph_replay_follows_a_new_slot_mix_without_recapture():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_slots_rank_bounds_what_the_op_reads(dtype):
-    """With each slot's rank (AdapterSlots.group_rank) and KernelSettings.rank_masks, the op reads only a slot's first `rank` columns of A (each
-    module's, in a fused group) and rows of B: padding filled with garbage gives the result of the weights cut to
-    the rank, in the one-module op, the fused-group op and the float32 delta."""
+    """With each slot's rank (AdapterSlots.group_rank) and KernelSettings.rank_masks, the op reads only a slot's
+    first `rank` columns of A (each module's, in a fused group) and rows of B: padding filled with garbage gives
+    the result of the weights cut to the rank, in the one-module op, the fused-group op and the float32 delta."""
     from engine_ext.kernels import KernelSettings, triton_lora
 
     st = KernelSettings(rank_masks=1)
