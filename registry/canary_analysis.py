@@ -169,7 +169,11 @@ def judge(t: Thresholds, c: Window, s: Window) -> list[Check]:
         checks.append(Check(name="finish_reason_shift", canary=shift, stable=0.0, limit=t.max_finish_reason_shift,
                             passed=shift <= t.max_finish_reason_shift + 1e-12))
     if c.get("drafted") >= t.min_drafted_tokens and s.get("drafted") >= t.min_drafted_tokens:
+        # Two-sided: a version that answers differently moves the base model's acceptance of its drafts, down when
+        # it says other things than the base would, up when it degenerates into text the base predicts (a loop).
         ca, sa = c.acceptance(), s.acceptance()
         low = sa - t.max_acceptance_drop
         checks.append(Check(name="draft_acceptance_min", canary=ca, stable=sa, limit=low, passed=ca >= low - 1e-12))
+        checks.append(_upper("draft_acceptance_max", ca, sa, lambda x: x + t.max_acceptance_rise))
     return [ch for ch in checks if ch is not None]
+
