@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from deployments.replica.version_stats import VersionStats
-from registry.canary_analysis import LATENCY_BOUNDS, Window, baseline, bucket_of, judge, window, window_closed
+from registry.canary_analysis import (CHECKS, LATENCY_BOUNDS, Window, baseline, bucket_of, judge, not_compared, window,
+                                     window_closed)
 from registry.canary_policy import GoldenPrompt, RolloutPolicy, Thresholds, golden_failure
 
 
@@ -125,9 +126,16 @@ def test_draft_acceptance_is_held_to_the_stable_versions_either_way(canary_draft
                 if not c.passed}
 
 
-def test_acceptance_is_compared_only_with_enough_drafts():
-    checks = judge(Thresholds(min_drafted_tokens=50), _win(GOOD, 10, 0), _win(GOOD, 100, 90))
+def test_acceptance_is_compared_only_with_enough_drafts_and_a_window_says_what_it_was_not_judged_on():
+    t = Thresholds(min_drafted_tokens=50)
+    canary, stable = _win(GOOD, 10, 0), _win(GOOD, 100, 90)
+    checks = judge(t, canary, stable)
     assert not {"draft_acceptance_min", "draft_acceptance_max"} & {c.name for c in checks}
+    missing = not_compared(t, canary, stable, checks)
+    assert set(missing) == {"draft_acceptance_min", "draft_acceptance_max"}
+    assert "canary 10, stable 100" in missing["draft_acceptance_max"]
+    assert {c.name for c in checks} | set(missing) == set(CHECKS)
+    assert not not_compared(Thresholds(), canary, stable, judge(Thresholds(min_drafted_tokens=10), canary, stable))
 
 
 def test_the_window_closes_on_requests_and_seconds_together():
