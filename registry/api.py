@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from registry.api_docs import api_docs_page
 from registry.auth import Principal, TokenAuth, tokens_from_env
 from registry.base_model import BaseModelSpec
-from registry.canary_analysis import judge, window, window_closed
+from registry.canary_analysis import judge, not_compared, window, window_closed
 from registry.canary_policy import MAX_GOLDEN, GoldenPrompt, RolloutPolicy
 from registry.errors import (AdapterNotFound, PermissionDenied, RegistryError, RegistryUnavailable,
                              RegistryValidationError)
@@ -89,6 +89,8 @@ class RolloutWindow(BaseModel):
     canary: dict
     stable: dict
     checks: list[dict] = Field(description="the thresholds applied to the window as it is now")
+    not_compared: dict[str, str] = Field(default_factory=dict, description="check -> why the window has no data "
+                                         "for it yet")
 
 
 class RolloutStatus(BaseModel):
@@ -345,9 +347,11 @@ def create_app(registry: Registry | None = None, tokens: dict[str, dict] | None 
             c = window(reports, r.baseline, f"{state.name}@{r.version}")
             s = window(reports, r.baseline, f"{state.name}@{r.stable_version}")
             elapsed = max(0.0, registry._clock() - (r.step_started_at or 0.0))
+            checks = judge(r.policy.thresholds, c, s)
             live = RolloutWindow(step=r.step, weight=r.weight, elapsed_s=elapsed,
                                  closed=window_closed(r.policy, c, s, elapsed), canary=c.summary(), stable=s.summary(),
-                                 checks=[ch.model_dump() for ch in judge(r.policy.thresholds, c, s)])
+                                 checks=[ch.model_dump() for ch in checks],
+                                 not_compared=not_compared(r.policy.thresholds, c, s, checks))
         return RolloutStatus(name=state.name, active_version=state.active_version,
                              canary_version=state.canary_version, canary_weight=state.canary_weight, rollout=r,
                              window=live)

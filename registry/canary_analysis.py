@@ -11,6 +11,7 @@ window come from the summed buckets.
     base = baseline(reports, keys)                     # at a step's start, kept in the registry
     win = window(reports, base, key)                   # summed deltas since, and the requests per replica
     checks = judge(thresholds, win_canary, win_stable) # each threshold: both values, the limit, passed
+    unjudged = not_compared(thresholds, win_canary, win_stable, checks)  # the checks left out, and why
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from typing import Any, Iterable, Mapping, Optional
 from registry.canary_policy import RolloutPolicy, Thresholds
 from registry.rollout_state import Baseline, Check
 
-__all__ = ["LATENCY_BOUNDS", "bucket_of", "flat_counters", "baseline", "window", "Window", "judge",
-           "window_closed"]
+__all__ = ["LATENCY_BOUNDS", "CHECKS", "bucket_of", "flat_counters", "baseline", "window", "Window", "judge",
+           "not_compared", "window_closed"]
+
+# Every check `judge` may apply, in its order
+CHECKS = ("error_rate", "refusal_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "output_length_max",
+          "output_length_min", "finish_reason_shift", "draft_acceptance_min", "draft_acceptance_max")
 
 # Upper bounds (seconds) of the latency buckets: 1 ms x 1.25^i, up to ~10 minutes; one more bucket past the last.
 LATENCY_BOUNDS: tuple[float, ...] = tuple(0.001 * 1.25**i for i in range(60))
@@ -169,7 +174,27 @@ def judge(t: Thresholds, c: Window, s: Window) -> list[Check]:
         checks.append(Check(name="finish_reason_shift", canary=shift, stable=0.0, limit=t.max_finish_reason_shift,
                             passed=shift <= t.max_finish_reason_shift + 1e-12))
     if c.get("drafted") >= t.min_drafted_tokens and s.get("drafted") >= t.min_drafted_tokens:
+        # Two-sided: a version that answers differently moves the base model's acceptance of its drafts, down when
+        # it says other things than the base would, up when it degenerates into text the base predicts (a loop).
         ca, sa = c.acceptance(), s.acceptance()
         low = sa - t.max_acceptance_drop
         checks.append(Check(name="draft_acceptance_min", canary=ca, stable=sa, limit=low, passed=ca >= low - 1e-12))
+        checks.append(_upper("draft_acceptance_max", ca, sa, lambda x: x + t.max_acceptance_rise))
     return [ch for ch in checks if ch is not None]
+
+
+def not_compared(t: Thresholds, c: Window, s: Window, checks: list[Check]) -> dict[str, str]:
+    """The checks `judge` left out for want of data, each with why, so that a step that passed says what it was
+    not judged on (above all the draft acceptance: on a CPU, or with few adapter requests at a time, the engine's
+    gate may choose plain steps and draft nothing)."""
+    done = {ch.name for ch in checks}
+    out = {}
+    for name in CHECKS:
+        if name in done:
+            continue
+        if name.startswith("draft_acceptance"):
+            out[name] = (f"drafted tokens: canary {int(c.get('drafted'))}, stable {int(s.get('drafted'))}; each "
+                         f"needs min_drafted_tokens ({t.min_drafted_tokens}): the engine drafted too little")
+        else:
+            out[name] = "no sample in the canary's or the stable version's window"
+    return out

@@ -43,6 +43,9 @@ class Thresholds(_Strict):
                                             "versions' shares of finish reasons (stop, length, ...)")
     max_acceptance_drop: Number = Field(0.15, ge=0, le=1, description="stable's draft acceptance - canary's: the "
                                         "base model's drafts are a fingerprint of how a version answers")
+    max_acceptance_rise: Number = Field(0.15, ge=0, le=1, description="canary's draft acceptance - stable's: the "
+                                        "fingerprint moves either way when a version answers differently (one that "
+                                        "repeats itself is drafted almost perfectly); 1: a rise never fails")
     min_drafted_tokens: StrictInt = Field(32, ge=1, description="drafted tokens each version needs in the window "
                                           "before acceptance is compared (speculation may be gated off)")
 

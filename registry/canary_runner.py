@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
-from registry.canary_analysis import baseline, judge, window, window_closed
+from registry.canary_analysis import baseline, judge, not_compared, window, window_closed
 from registry.canary_policy import GoldenPrompt, golden_failure
 from registry.errors import AdapterNotFound, LifecycleConflict, RegistryError
 from registry.records import AdapterRecord, AdapterState
@@ -155,6 +155,7 @@ class RolloutRunner:
                 "result": StepResult(verdict="timed_out", **result).model_dump(mode="json")})
             return "rolled_back"
         checks = judge(r.policy.thresholds, c, s)
+        result["not_compared"] = not_compared(r.policy.thresholds, c, s, checks)
         if not all(ch.passed for ch in checks):
             await self._commit(state.name, "rollout_rollback", r, {
                 "ended_at": now, "reason": _metrics_reason(checks),

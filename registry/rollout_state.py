@@ -44,6 +44,8 @@ class StepResult(BaseModel):
     canary: dict[str, Any] = Field(default_factory=dict, description="the canary's window (analysis.summary)")
     stable: dict[str, Any] = Field(default_factory=dict)
     checks: list[Check] = Field(default_factory=list)
+    not_compared: dict[str, str] = Field(default_factory=dict, description="check -> why the window could not "
+                                         "apply it (no data: no drafts, no completed request)")
     golden: list[dict[str, Any]] = Field(default_factory=list, description="{prompt, passed, why} per golden prompt")
 
 

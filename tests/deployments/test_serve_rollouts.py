@@ -6,8 +6,8 @@ The versions of one adapter are built here from a demo adapter: v2 is it "retrai
 emit noise; v3 carries golden prompts (the stable version's exact answers), v4 none, so that only its metrics can
 catch it (the base model's drafts stop being accepted: the behavioural fingerprint).
 
-The toy model rather than SmolLM2: the rollouts need a few dozen requests per window on 2 shared CPU cores, and
-the session's app is already up; on SmolLM2 the same walk costs minutes of decoding and a second app."""
+The toy model, on the session's app, for the walk's many cases in seconds; test_serve_rollouts_smollm2.py rolls
+out real adapter versions on SmolLM2 (a second app, minutes of decoding)."""
 
 from __future__ import annotations
 

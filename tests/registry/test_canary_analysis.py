@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from deployments.replica.version_stats import VersionStats
-from registry.canary_analysis import LATENCY_BOUNDS, Window, baseline, bucket_of, judge, window, window_closed
+from registry.canary_analysis import (CHECKS, LATENCY_BOUNDS, Window, baseline, bucket_of, judge, not_compared, window,
+                                     window_closed)
 from registry.canary_policy import GoldenPrompt, RolloutPolicy, Thresholds, golden_failure
 
 
@@ -105,15 +106,36 @@ def test_each_threshold_fails_the_canary_it_should_and_only_it(failing, canary_f
     checks = judge(Thresholds(), canary, stable)
     failed = {c.name for c in checks if not c.passed}
     if failing is None:
-        assert not failed and {c.name for c in checks} >= {"error_rate", "ttft_p99_s", "draft_acceptance_min"}
+        assert not failed and {c.name for c in checks} >= {"error_rate", "ttft_p99_s", "draft_acceptance_min",
+                                                            "draft_acceptance_max"}
     else:
         assert failing in failed
         assert failed <= {failing, "output_length_max", "output_length_min", "tpot_p99_s", "ttft_p99_s"}
 
 
-def test_acceptance_is_compared_only_with_enough_drafts():
-    checks = judge(Thresholds(min_drafted_tokens=50), _win(GOOD, 10, 0), _win(GOOD, 100, 90))
-    assert "draft_acceptance_min" not in {c.name for c in checks}
+@pytest.mark.parametrize("canary_drafts,failing", [((100, 72), None), ((100, 50), "draft_acceptance_min"),
+                                                   ((100, 100), "draft_acceptance_max")])
+def test_draft_acceptance_is_held_to_the_stable_versions_either_way(canary_drafts, failing):
+    """SmolLM2's shout: the base accepts 0.71 of its drafts; shout with B x 40 repeats one word, which the base
+    drafts perfectly (1.0): acceptance that rises is an answer that changed too."""
+    checks = judge(Thresholds(), _win(GOOD, *canary_drafts), _win(GOOD, 100, 71))
+    failed = {c.name for c in checks if not c.passed}
+    assert {"draft_acceptance_min", "draft_acceptance_max"} <= {c.name for c in checks}
+    assert failed == ({failing} if failing else set())
+    assert not {c.name for c in judge(Thresholds(max_acceptance_rise=1), _win(GOOD, 100, 100), _win(GOOD, 100, 71))
+                if not c.passed}
+
+
+def test_acceptance_is_compared_only_with_enough_drafts_and_a_window_says_what_it_was_not_judged_on():
+    t = Thresholds(min_drafted_tokens=50)
+    canary, stable = _win(GOOD, 10, 0), _win(GOOD, 100, 90)
+    checks = judge(t, canary, stable)
+    assert not {"draft_acceptance_min", "draft_acceptance_max"} & {c.name for c in checks}
+    missing = not_compared(t, canary, stable, checks)
+    assert set(missing) == {"draft_acceptance_min", "draft_acceptance_max"}
+    assert "canary 10, stable 100" in missing["draft_acceptance_max"]
+    assert {c.name for c in checks} | set(missing) == set(CHECKS)
+    assert not not_compared(Thresholds(), canary, stable, judge(Thresholds(min_drafted_tokens=10), canary, stable))
 
 
 def test_the_window_closes_on_requests_and_seconds_together():
@@ -127,7 +149,8 @@ def test_the_window_closes_on_requests_and_seconds_together():
 @pytest.mark.parametrize("policy", [
     {"steps": [0.5, 0.25]}, {"steps": [0.0, 0.5]}, {"steps": [0.5, 1.0]}, {"steps": []},
     {"thresholds": {"ttft_p99_ratio": 0.9}}, {"thresholds": {"max_error_rate_increase": 1.5}},
-    {"thresholds": {"latency_slack_s": -1}}, {"window_requests": 0, "window_s": 0},
+    {"thresholds": {"latency_slack_s": -1}}, {"thresholds": {"max_acceptance_rise": 1.5}},
+    {"window_requests": 0, "window_s": 0},
     {"window_s": 7200, "step_timeout_s": 3600}, {"thresholds": {"no_such_threshold": 1}},
     {"window_requests": "10"},
 ])
