@@ -124,6 +124,10 @@ class LLMEngine:
         """A pinned adapter is never evicted from host memory or from its device slot."""
         self.adapters.set_pinned(name, pinned)
 
+    def registered_adapters(self) -> list[str]:
+        """Every adapter added and not removed."""
+        return self.adapters.registered
+
     def host_adapters(self) -> list[str]:
         """The adapters parsed in host memory now, least recently used first (the engine's host cache)."""
         return self.adapters.host_resident
