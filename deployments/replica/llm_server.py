@@ -94,6 +94,7 @@ class LLMServer:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        from engine_ext import EngineDeadError
         from registry import RegistryUnavailable
 
         started_at = self._clock()
@@ -104,13 +105,13 @@ class LLMServer:
             if req.adapter_key is not None:
                 try:
                     hit, load_s = await self.adapters.acquire(req.adapter_key, req.adapter_record)
-                except (AdapterBlocked, AdapterLoadFailed, RegistryUnavailable) as e:
+                except (AdapterBlocked, AdapterLoadFailed, RegistryUnavailable, EngineDeadError) as e:
                     self._count_failure(req, e)
                     chunk = error_chunk_of(e, req)
                     track.chunk(chunk)
                     yield chunk
                     return
-                self.placement.note_request(req.adapter_key)
+                self.adapters.note_request(req.adapter_key)
                 if load_s:
                     self.health.ok(BLOBS)  # it fetched the files
                 if not hit:
@@ -164,6 +165,9 @@ class LLMServer:
                            "logprobs": self.prompts.logprob_entries(out)}
                 if out.finished:
                     finish[i], tokens[i] = out.finish_reason or "stop", len(out.token_ids)
+        except Exception as e:  # noqa: BLE001 - the table names what ends a stream with an error chunk (the engine
+            yield error_chunk_of(e, req)  # core gone: a 503 to retry elsewhere); the rest re-raise
+            return
         finally:
             await merged.aclose()  # the caller went away: abort every unfinished choice now
         yield {"type": "end", "finish_reason": finish[0], "completion_tokens": sum(tokens.values()),
