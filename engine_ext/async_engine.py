@@ -268,10 +268,11 @@ class AsyncLLMEngine:
         """The adapters parsed in the core's host memory, least recently used first, as the core last said."""
         return list(self._adapters.host_adapters)
 
-    def rank_host_eviction(self, ranks: dict[str, list | tuple | None]) -> None:
+    def rank_host_eviction(self, ranks: dict[str, list | tuple | None], replace: bool = False) -> None:
         """Update the order in which adapters leave the core's host cache (core/eviction_order.py): name -> rank,
-        the smallest evicted first; None: never evicted; never ranked: before every ranked one."""
-        self._send(RankHostEviction({name: None if r is None else list(r) for name, r in ranks.items()}))
+        the smallest evicted first; None: never evicted; never ranked: before every ranked one. replace: forget
+        the ranks set before."""
+        self._send(RankHostEviction({name: None if r is None else list(r) for name, r in ranks.items()}, replace))
 
     # ------------------------------------------------------------ state
     def is_alive(self) -> bool:

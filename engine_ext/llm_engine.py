@@ -409,4 +409,5 @@ class LLMEngine:
             "startup": dict(self.startup),  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
             "device_adapters": self.adapters.slots.resident,
             "host_adapters": self.adapters.host_resident,
+            "pinned_adapters": sorted(self.adapters.pinned),
         }

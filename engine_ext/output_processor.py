@@ -22,6 +22,10 @@ class TokenDelta(NamedTuple):
     new_logprobs: list[TokenLogprobs] | None  # with params.logprobs: one per new token
     logits: torch.Tensor | None  # [len(output), vocab] on the finished delta, with params.return_logits
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 def token_logprobs(token: int, logits: torch.Tensor | None, k: int) -> TokenLogprobs:
     """log_softmax of the raw logits row: the token's value and the top k."""

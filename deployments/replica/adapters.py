@@ -43,6 +43,7 @@ class ReplicaAdapters:
         self._blocked: set[str] = set()  # disabled adapter names (every version)
         self._withdrawn: set[str] = set()  # keys of versions the registry no longer serves
         self._registered_by: dict[str, str] = {}  # key -> what made this replica register it (CAUSES)
+        self.rerank(replace=True)  # this replica's order takes over the engine's evictions
 
     # ---------------------------------------------------------------- requests
     async def acquire(self, key: str, record: Any = None, cause: str = "request") -> tuple[bool, float]:
@@ -157,10 +158,11 @@ class ReplicaAdapters:
             return None
         return (not withdrawn, *self._placement.victim_key(key))
 
-    def rerank(self, keys: Optional[Iterable[str]] = None) -> None:
-        """Tell the engine the ranks of `keys` (default: every adapter in its host cache)."""
+    def rerank(self, keys: Optional[Iterable[str]] = None, replace: bool = False) -> None:
+        """Tell the engine the ranks of `keys` (default: every adapter in its host cache); replace: and forget
+        every other rank it was told."""
         keys = self._engine.host_adapters() if keys is None else keys
-        self._engine.rank_host_eviction({key: self.rank(key) for key in keys})
+        self._engine.rank_host_eviction({key: self.rank(key) for key in keys}, replace)
 
     def note_request(self, key: str) -> None:
         """A request for `key`: it counts in the placement's order, and so in its rank."""

@@ -10,8 +10,11 @@ class HostEvictionOrder:
     def __init__(self):
         self._ranks: dict[str, tuple | None] = {}
 
-    def rank(self, updates: dict[str, list | None]) -> None:
-        """name -> its rank (a sequence compared as a tuple: smaller goes first), or None: never evict it."""
+    def rank(self, updates: dict[str, list | None], replace: bool = False) -> None:
+        """name -> its rank (a sequence compared as a tuple: smaller goes first), or None: never evict it.
+        replace: forget every rank not in `updates` (a new serving layer's order takes over)."""
+        if replace:
+            self._ranks.clear()
         for name, rank in updates.items():
             self._ranks[name] = None if rank is None else tuple(rank)
 

@@ -75,9 +75,10 @@ class RankHostEviction(NamedTuple):
     """Updates of the host cache's eviction order (HostEvictionOrder.rank)."""
 
     ranks: dict[str, list | None]
+    replace: bool
 
     def apply(self, core) -> None:
-        core.eviction.rank(self.ranks)
+        core.eviction.rank(self.ranks, self.replace)
 
 
 class GetStats(NamedTuple):

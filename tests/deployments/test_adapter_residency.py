@@ -32,8 +32,8 @@ class Engine:
         self.dropped.append(key)
         return 0
 
-    def rank_host_eviction(self, ranks):
-        self.order.rank(ranks)
+    def rank_host_eviction(self, ranks, replace=False):
+        self.order.rank(ranks, replace)
 
     def has_adapter(self, key):
         return key in self.paths

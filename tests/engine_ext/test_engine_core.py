@@ -63,7 +63,8 @@ def test_other_errors_cross_as_runtime_errors_naming_their_type():
 ])
 def test_host_eviction_order(ranks, candidates, victim):
     order = HostEvictionOrder()
-    order.rank(ranks)
+    order.rank({"a": None, "b": None, "c": [0.0]})  # replaced below
+    order.rank(ranks, replace=True)
     assert order.choose(candidates) == victim
 
 
