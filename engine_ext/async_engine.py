@@ -55,6 +55,7 @@ class AsyncLLMEngine:
         self._calls: dict[int, tuple[Future, bool]] = {}  # call id -> (its future, its reply is the adapter state)
         self._ids, self._call_ids = itertools.count(), itertools.count()
         self._dead: EngineDeadError | None = None
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         if config.engine_process:
             if engine is not None:
                 raise ValueError("an engine core process builds its own engine: pass engine_factory, not an engine")
@@ -212,6 +213,12 @@ class AsyncLLMEngine:
             if not future.done():
                 future.set_exception(self._dead)
         self._to_loops(_Dead(self._dead))
+        for callback in self._dead_callbacks:
+            callback(self._dead)
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call `callback(error)` once the core is found dead (on the thread that found it)."""
+        self._dead_callbacks.append(callback)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -58,6 +58,7 @@ class LLMServer:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.engine.on_dead(self._on_engine_dead)
         await self.stats.read()
         self._spawn(self.stats.loop())
         # Follow the change feed as a named consumer: started again after a stop (say, during a promote),
@@ -82,6 +83,13 @@ class LLMServer:
         # Called on the registry's subscriber thread.
         if self._loop is not None and isinstance(event, dict) and event.get("name"):
             self._loop.call_soon_threadsafe(self._spawn, self.sync.apply_change(event["name"]))
+
+    def _on_engine_dead(self, error: Exception) -> None:
+        """Called on the engine's thread: routers hear at once that this replica serves nothing any more (its
+        health check fails too, and Serve replaces it)."""
+        logger.error("engine core died: %s", error)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._publish_residency)
 
     def _publish_residency(self) -> None:
         # Tell Serve's controller at once (instead of at the next stats period), so routers see the
@@ -198,6 +206,7 @@ class LLMServer:
             "num_waiting": s.get("num_waiting"),
             "free_kv_blocks": s.get("free_kv_blocks"),
             "num_ongoing": self._ongoing,
+            "engine_alive": self.engine.is_alive(),  # False: routers send it nothing (router.ray_router)
             "disabled": self.adapters.blocked(),
             "reported_at": self._clock(),
             # families the placement homed here in host memory (pinned, warm); None: no controller
