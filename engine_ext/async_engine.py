@@ -22,7 +22,7 @@ from typing import NamedTuple
 from .config import EngineConfig
 from .core.messages import (Abort, AddAdapter, AddRequest, AdapterState, DropCachedPrefixes, Failed, GetStats,
                             PinAdapter, RankHostEviction, Refused, RemoveAdapter, Reply, StepOutputs, error_of)
-from .core.process_core import ProcessCore
+from .core.process_core import CoreLaunch, ProcessCore
 from .core.request_stream import RequestStream
 from .core.thread_core import ThreadCore
 from .detokenizer import Detokenizer
@@ -41,10 +41,10 @@ class _Dead(NamedTuple):
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, *, engine_factory: str | None = None,
-                 launcher: list[str] | None = None):
+                 launch: CoreLaunch | None = None):
         """engine: for a core on a thread, an engine built with detokenize=False (else one is built from `config`).
-        engine_factory: "module:function" building the core's engine from `config` in its process (a benchmark's
-        stubbed model). launcher: the command that starts the core's Python (core/process_core.py)."""
+        engine_factory: "module:function" building the core's engine from `config` where the core runs (a
+        benchmark's stubbed model). launch: how a core process starts (default: this interpreter, `python -m`)."""
         self.config = config
         self._streams: dict[str, RequestStream] = {}
         self._loops: dict[asyncio.AbstractEventLoop, int] = {}  # streams on each event loop
@@ -61,7 +61,7 @@ class AsyncLLMEngine:
                 raise ValueError("an engine core process builds its own engine: pass engine_factory, not an engine")
             self.engine = None
             self.tokenizer = load_tokenizer(config.model)
-            self._core = ProcessCore(config, self._on_message, self._on_dead, engine_factory, launcher)
+            self._core = ProcessCore(config, self._on_message, self._on_dead, engine_factory, launch or CoreLaunch())
         else:
             if engine is None:
                 from .core.process import build_engine

@@ -38,8 +38,11 @@ class LLMDeployment:
         model_dir = await asyncio.to_thread(replica_model_dir, cfg, registry)  # may download the base model
         marks["model_dir_ready"] = time.time()
         # engine.engine_process (on by default): the engine core runs in a child process, with this replica's torch
-        # threads; this process keeps the streams, detokenizing and Serve
-        engine = await asyncio.to_thread(AsyncLLMEngine, engine_config(cfg, model_dir))
+        # threads (forked from the node's warm start server when it runs); this process keeps the streams,
+        # detokenizing and Serve
+        launch = warm_start.core_launch() if cfg.warm_start else None
+        engine = await asyncio.to_thread(AsyncLLMEngine, engine_config(cfg, model_dir), launch=launch)
+        marks["engine_core_forked"] = launch is not None and engine.core_pid is not None
         marks["engine_ready"] = time.time()
         replica_id = serve.get_replica_context().replica_id.unique_id
         publish = residency_publisher() if cfg.push_residency else None

@@ -101,6 +101,7 @@ class Ready(NamedTuple):
     startup: dict  # the engine's start-up seconds (LLMEngine.startup)
     registered: list[str]
     host_adapters: list[str]
+    pid: int | None  # the core's process (None: a thread of its client's)
 
 
 class StartFailed(NamedTuple):

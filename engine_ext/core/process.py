@@ -92,7 +92,8 @@ def main() -> None:
     # This process serves one engine for its life: its start-up heap stays out of every later collection
     gc.collect()
     gc.freeze()
-    out.send(Ready(engine.max_model_len, dict(engine.startup), engine.registered_adapters(), engine.host_adapters()))
+    out.send(Ready(engine.max_model_len, dict(engine.startup), engine.registered_adapters(), engine.host_adapters(),
+                   os.getpid()))
     try:
         EngineCore(engine, SocketInbox(inbox), out.send).run()
     finally:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import zmq
@@ -25,11 +26,30 @@ from ..config import EngineConfig
 from ..errors import EngineDeadError
 from .messages import Ready, Shutdown, StartFailed, decode, encode, error_of
 
-__all__ = ["ProcessCore", "config_fields"]
+__all__ = ["ProcessCore", "CoreLaunch", "CORE_MODULE", "config_fields"]
 
 logger = logging.getLogger(__name__)
+CORE_MODULE = "engine_ext.core.process"  # the core process's program: python -m CORE_MODULE
 READ_POLL_S = 0.1  # the reader checks that the core's process runs whenever it waited this long for a message
 CLOSE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class CoreLaunch:
+    """How the core's process starts: `command` + ["-m", CORE_MODULE] under `env`. A launcher may run the program
+    in a process of its own making (a fork of a server that imported it already) and stand for it: it exits as
+    the core does, and its stdin is the core's."""
+
+    command: tuple[str, ...] = ()  # empty: this interpreter
+    env: dict | None = None  # None: this process's environment, its sys.path as PYTHONPATH (a benchmark's modules)
+
+    def argv(self) -> list[str]:
+        return [*(self.command or (sys.executable,)), "-m", CORE_MODULE]
+
+    def environ(self) -> dict:
+        if self.env is not None:
+            return dict(self.env)
+        return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
 
 def config_fields(config: EngineConfig) -> dict:
@@ -42,11 +62,10 @@ def config_fields(config: EngineConfig) -> dict:
 
 class ProcessCore:
     def __init__(self, config: EngineConfig, deliver: Callable[[NamedTuple], None], on_dead: Callable[[str], None],
-                 engine_factory: str | None = None, launcher: list[str] | None = None):
+                 engine_factory: str | None = None, launch: CoreLaunch = CoreLaunch()):
         """deliver: takes each message of the core, on the reader thread. on_dead(reason): the process exited
-        without being asked to (called once, on the reader thread). launcher: the command that runs a Python
-        module's program, `-m engine_ext.core.process` appended (default: this interpreter). Returns once the
-        core is ready; raises what its engine raised when it could not start."""
+        without being asked to (called once, on the reader thread). Returns once the core is ready; raises what
+        its engine raised when it could not start."""
         self._deliver, self._on_dead = deliver, on_dead
         self._dir = tempfile.mkdtemp(prefix="engine-core-")
         self._zmq = zmq.Context()
@@ -58,15 +77,12 @@ class ProcessCore:
 
         start = {"config": config_fields(config), "input": self._address("input"), "output": self._address("output"),
                  "engine_factory": engine_factory, "torch_threads": torch.get_num_threads()}
-        # Its imports resolve as this process's do (a checkout on sys.path, a benchmark's stub module)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self._proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", "engine_ext.core.process"],
-                                      stdin=subprocess.PIPE, env=env)
-        self.pid = self._proc.pid
+        self._proc = subprocess.Popen(launch.argv(), stdin=subprocess.PIPE, env=launch.environ())
         try:
             self._proc.stdin.write((json.dumps(start) + "\n").encode())
             self._proc.stdin.flush()
             self.ready = self._wait_ready()
+            self.pid = self.ready.pid  # the core's own (a launcher may have forked it)
         except BaseException:
             self._proc.kill()
             self._stop_process()
@@ -119,7 +135,7 @@ class ProcessCore:
             elif self._proc.poll() is not None:
                 break
         if not self._closing:
-            self._on_dead(f"the engine core (pid {self.pid}) exited with code {self._proc.returncode}")
+            self._on_dead(f"the engine core (pid {self.pid}) exited (code {self._proc.returncode})")
 
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -142,7 +158,7 @@ class ProcessCore:
         try:
             self._proc.wait(timeout=CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            logger.warning("engine core %d did not stop within %.0f s: killing it", self.pid, CLOSE_TIMEOUT_S)
+            logger.warning("engine core %d did not stop within %.0f s: killing it", self._proc.pid, CLOSE_TIMEOUT_S)
             self._proc.kill()
             self._proc.wait()
         if self._proc.stdin is not None:

@@ -45,7 +45,7 @@ class ThreadCore:
         self._inbox = QueueInbox()
         self.core = EngineCore(engine, self._inbox, deliver)
         self.ready = Ready(engine.max_model_len, dict(engine.startup), engine.registered_adapters(),
-                           engine.host_adapters())
+                           engine.host_adapters(), None)
         self.pid = None  # the core runs in this process
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
