@@ -107,10 +107,11 @@ def run_served(engine, args) -> dict:
     gc.collect()
     tokens, chunks, seconds = asyncio.run(serve(replica(engine), args))
     core = engine.stats()["core"]
-    steps = core["steps"] - before["steps"]
-    busy = core["step_s"] - before["step_s"] + core["publish_s"] - before["publish_s"]
+    steps = max(1, core["steps"] - before["steps"])
+    publish = core["publish_s"] - before["publish_s"]
+    busy = core["step_s"] - before["step_s"] + publish
     return {"tokens": tokens, "tokens_per_s": round(tokens / seconds), "steps": steps,
-            "core_ms_per_step": round(busy / max(1, steps) * 1e3, 3),
+            "core_ms_per_step": round(busy / steps * 1e3, 3), "publish_ms_per_step": round(publish / steps * 1e3, 3),
             "chunks_per_request": round(chunks / args.batch, 1)}
 
 

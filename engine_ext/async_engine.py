@@ -111,7 +111,7 @@ class AsyncLLMEngine:
                     return
         finally:
             self._close(stream)
-            if stream.reason is None and self._dead is None:  # a consumer gone, or a stop string: end it there
+            if not stream.settled:  # a consumer gone, or a stop string: end it in the core
                 try:
                     self._core.send(Abort(request_id))
                 except EngineDeadError:

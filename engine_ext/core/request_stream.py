@@ -51,6 +51,11 @@ class RequestStream:
             self._error = error
             self._wake()
 
+    @property
+    def settled(self) -> bool:
+        """The core is done with it: it finished there, was refused, or failed."""
+        return self.reason is not None or self._error is not None
+
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():
