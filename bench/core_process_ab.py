@@ -93,12 +93,38 @@ def summary(rows: list[dict], load: tuple[float, float], model: str) -> dict:
         if mine:
             ttft = [t / 1e3 for r in mine for t in r["ttft_all_ms"]]
             out[mode] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+                         "core_ms_per_step": statistics.median(r["core_ms_per_step"] for r in mine),
                          "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
                          "errors": sum(r["num_errors"] for r in mine), "windows": len(mine)}
     if "thread" in out and "process" in out:
         out["process_over_thread_tokens_per_s"] = round(out["process"]["tokens_per_s"] /
                                                         out["thread"]["tokens_per_s"], 2)
     return out
+
+
+def on_replica(app: str, fn):
+    """fn(the app's LLMDeployment object), run inside its LLM replica (Serve's private path to it; benchmarks only)."""
+    import ray
+
+    names = [n["name"] if isinstance(n, dict) else n for n in ray.util.list_named_actors(all_namespaces=True)]
+    name = next(n for n in names if n.startswith(f"SERVE_REPLICA::{app}#LLMServer#"))
+    actor = ray.get_actor(name, namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda replica: fn(replica._replica_impl._user_callable_wrapper
+                                                                 .user_callable)), timeout=30)
+
+
+def core_counters(app: str) -> dict:
+    """The replica's engine core loop counters (steps, seconds in step(), seconds publishing)."""
+    return on_replica(app, lambda deployment: deployment.server.engine.stats()["core"])
+
+
+def replica_startup(app: str) -> dict:
+    """The start-up of the app's LLM replica: seconds from its constructor to its engine (and its core) ready and
+    to ready, the engine's own load seconds, and whether its process (and its core's) was forked warm."""
+    m = on_replica(app, lambda deployment: deployment.startup)
+    return {"engine_s": round(m["engine_ready"] - m["model_dir_ready"], 2),
+            "constructor_to_ready_s": round(m["ready"] - m["constructor"], 2), "engine_load_s": m["engine"]["load_s"],
+            "warm_start": m["warm_start"], "engine_core_forked": m.get("engine_core_forked")}
 
 
 def main() -> None:
@@ -130,15 +156,22 @@ def main() -> None:
             model = cfg.base_model_name
             serve.run(bind_app(cfg), name=f"core-{mode}", route_prefix=f"/{mode}")
         urls = {mode: f"http://127.0.0.1:{port}/{mode}" for mode in args.modes}
+        startup = {mode: replica_startup(f"core-{mode}") for mode in args.modes}
+        print(json.dumps({"replica_startup": startup}), flush=True)
         for mode in args.modes:  # warm-up: adapters, the gate's first measurements, every connection
             asyncio.run(window(urls[mode], model, args))
         load, rows = os.getloadavg()[0], []
         for w in range(args.windows):
             for mode in args.modes:
+                before = core_counters(f"core-{mode}")
                 result = asyncio.run(window(urls[mode], model, args))
+                after = core_counters(f"core-{mode}")
+                steps = max(1, after["steps"] - before["steps"])
+                busy = after["step_s"] + after["publish_s"] - before["step_s"] - before["publish_s"]
                 ttft = result.pop("ttft_ms")
                 row = {"mode": mode, "window": w, "concurrency": args.concurrency, **result,
-                       "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99)}
+                       "ttft_p50_ms": percentile(ttft, 0.5), "ttft_p99_ms": percentile(ttft, 0.99),
+                       "core_steps": steps, "core_ms_per_step": round(busy / steps * 1e3, 3)}
                 print(json.dumps(row), flush=True)
                 rows.append(row | {"ttft_all_ms": [t * 1e3 for t in ttft]})
         print(json.dumps(summary(rows, (load, os.getloadavg()[0]), model)), flush=True)
