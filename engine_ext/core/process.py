@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..llm_engine import LLMEngine
 from .engine_core import EngineCore
 from .messages import Ready, StartFailed, decode, encode, wire_error
+from .process_core import batch_scheduled
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
     start = json.loads(sys.stdin.readline())
     threading.Thread(target=_exit_with_client, name="client-watch", daemon=True).start()
-    context = zmq.Context()
+    context = batch_scheduled(zmq.Context())
     inbox = context.socket(zmq.PULL)
     outbox = context.socket(zmq.PUSH)
     for sock, address in ((inbox, start["input"]), (outbox, start["output"])):

@@ -52,6 +52,34 @@ class CoreLaunch:
         return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
 
+def batch_scheduled(context: zmq.Context) -> zmq.Context:
+    """`context` with its I/O threads scheduled as batch work where the system lets a thread take that policy
+    (Linux): a thread that passes a message on, woken by every send, would otherwise preempt the step loop on its
+    CPU (on the 2-core VM a send cost 130-250 us, 30-55 us with batch scheduling); it runs when the CPU's thread
+    waits, or on another CPU. (ZeroMQ aborts the process when it cannot apply a policy: hence the probe.)"""
+    if _can_batch_schedule():
+        context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+        context.set(zmq.THREAD_PRIORITY, 0)
+    return context
+
+
+def _batch_schedule_this_thread() -> bool:
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # pid 0: the calling thread only
+    except (AttributeError, OSError):  # not Linux, or a sandbox that refuses it
+        return False
+    return True
+
+
+def _can_batch_schedule() -> bool:
+    """Whether a thread may take the batch policy, asked of a thread of its own (the policy dies with it)."""
+    result = []
+    probe = threading.Thread(target=lambda: result.append(_batch_schedule_this_thread()), name="sched-probe")
+    probe.start()
+    probe.join()
+    return result[0]
+
+
 def config_fields(config: EngineConfig) -> dict:
     """`config` as JSON-able data that EngineConfig(**fields) takes back."""
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
@@ -68,7 +96,7 @@ class ProcessCore:
         its engine raised when it could not start."""
         self._deliver, self._on_dead = deliver, on_dead
         self._dir = tempfile.mkdtemp(prefix="engine-core-")
-        self._zmq = zmq.Context()
+        self._zmq = batch_scheduled(zmq.Context())
         self._input = self._bind(zmq.PUSH, "input")
         self._output = self._bind(zmq.PULL, "output")
         self._send_lock = threading.Lock()
@@ -124,6 +152,7 @@ class ProcessCore:
 
     # ------------------------------------------------------------ core -> client
     def _read(self) -> None:
+        _batch_schedule_this_thread()  # it hands messages on, as ZeroMQ's I/O threads do (see batch_scheduled)
         while not self._closing:
             if self._output.poll(READ_POLL_S * 1000):
                 while True:
