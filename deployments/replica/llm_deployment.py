@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -42,7 +43,7 @@ class LLMDeployment:
         # detokenizing and Serve
         launch = warm_start.core_launch() if cfg.warm_start else None
         engine = await asyncio.to_thread(AsyncLLMEngine, engine_config(cfg, model_dir), launch=launch)
-        marks["engine_core_forked"] = launch is not None and engine.core_pid is not None
+        marks["engine_core_forked"] = _forked_elsewhere(engine.core_pid)
         marks["engine_ready"] = time.time()
         replica_id = serve.get_replica_context().replica_id.unique_id
         publish = residency_publisher() if cfg.push_residency else None
@@ -100,6 +101,13 @@ class LLMDeployment:
             except Exception:  # noqa: BLE001 - the controller's heartbeat TTL takes it out anyway
                 pass
         self.server.engine.shutdown()
+
+
+def _forked_elsewhere(pid) -> bool:
+    """Whether the engine core `pid` is not this process's child: a fork of the node's warm start server."""
+    import psutil  # a Ray dependency
+
+    return pid is not None and psutil.Process(pid).ppid() != os.getpid()
 
 
 def _process_started_at() -> float:
