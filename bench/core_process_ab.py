@@ -82,7 +82,8 @@ async def window(base_url: str, model: str, args) -> dict:
     ttft = [r[0] for r in results if r[0] is not None]
     tokens = sum(r[1] for r in results)
     return {"tokens": tokens, "tokens_per_s": round(tokens / seconds), "seconds": round(seconds, 2),
-            "ttft_ms": ttft, "errors": [r[2] for r in results if r[2]][:3], "num_errors": sum(bool(r[2]) for r in results)}
+            "ttft_ms": ttft, "errors": [r[2] for r in results if r[2]][:3],
+            "num_errors": sum(bool(r[2]) for r in results)}
 
 
 def summary(rows: list[dict], load: tuple[float, float], model: str) -> dict:

@@ -3,8 +3,9 @@
 `begin()` runs up to the replica's first chunk so that failures before any token (adapter disabled meanwhile,
 prompt too long, no replica) are still ordinary HTTP errors. A replica that fails (`ReplicaUnavailable`: the replica
 gone, or its engine core: an error chunk coded as one of REPLICA_FAILURES) before the client has seen a token is
-replaced by another without the client noticing; one that fails after ends the stream with an OpenAI-format error. What the session learns is kept in `choices` and its fields; what /metrics should
-know goes to its observer (`StreamMetrics`); the renderers (`renderers.py`) turn the deltas into JSON or SSE.
+replaced by another without the client noticing; one that fails after ends the stream with an OpenAI-format error.
+What the session learns is kept in `choices` and its fields; what /metrics should know goes to its observer
+(`StreamMetrics`); the renderers (`renderers.py`) turn the deltas into JSON or SSE.
 """
 
 from __future__ import annotations

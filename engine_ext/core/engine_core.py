@@ -17,7 +17,8 @@ from ..llm_engine import LLMEngine, StepContext
 from ..output_processor import TokenDelta
 from ..sampling_params import SamplingParams
 from .eviction_order import HostEvictionOrder
-from .messages import AddAdapter, AddRequest, AdapterState, Failed, Refused, RemoveAdapter, Reply, StepOutputs, wire_error
+from .messages import (AddAdapter, AddRequest, AdapterState, Failed, Refused, RemoveAdapter, Reply, StepOutputs,
+                       wire_error)
 
 __all__ = ["EngineCore", "Inbox", "step_outputs"]
 

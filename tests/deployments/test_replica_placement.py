@@ -103,7 +103,8 @@ def test_replica_prefetches_pins_and_unpins_homes(engine_env):
             first = [c async for c in server.generate(GenerateRequest("q1", "pl-00@1", GREEDY, prompt="x = 1\n"))]
             plan.share = {"version": 2, "tiers": {"pl-00": "cold", "pl-01": "warm"}}
             await wait_until(lambda: server.placement.pinned == set())
-            return stats, pinned_in_engine, routing, first, set((await asyncio.to_thread(engine.stats))["pinned_adapters"])
+            after = await asyncio.to_thread(engine.stats)
+            return stats, pinned_in_engine, routing, first, set(after["pinned_adapters"])
         finally:
             await server.stop()
 
