@@ -176,8 +176,9 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
 
 def replay_served(engine, requests: list[Request], params_for) -> list[Record]:
     """`replay` through AsyncLLMEngine, as an LLM replica serves: each request an asyncio client that sends it at its
-    arrival and reads its stream, on the wall clock; the engine's thread steps while outputs cross to the event
-    loop (the host work a replica adds to the step loop). The engine is left open for the next run."""
+    arrival and reads its stream, on the wall clock; the engine core's thread steps while outputs cross to the event
+    loop (the host work a replica adds to the step loop when its core shares the replica's process). The engine is
+    left open for the next run."""
     import asyncio
 
     from engine_ext import AsyncLLMEngine
@@ -504,7 +505,7 @@ def main() -> None:
     cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
                         args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp, **kernels)
     before = _cache_entries(args.compile_cache)
-    engine = LLMEngine(cfg)
+    engine = LLMEngine(cfg, detokenize=False)  # as an engine core runs it: its client detokenizes
     for n, p in adapters.items():
         engine.add_adapter(n, p)
     gc.collect()

@@ -9,6 +9,8 @@ the fused layer ops, CUDA graphs, bfloat16); on a CPU the plain-torch kernels in
 speculative LoRA-off drafting, its gate deciding per step whether drafting pays, and both cache prompt KV per adapter
 version (`enable_prefix_caching`: chat traffic resends system prompts and histories; bench/prefix_load.py measured
 shared-prefix chat TTFT p50 0.30x at 1B and 0.32x at 8B on the H200 with the unshared control at 0.95x and 1.01x).
+Both run the engine core in a process of its own (`engine_process`), so the replica's Python (Serve's streaming,
+detokenizing) never takes the step loop's interpreter.
 A field the user sets always wins over the profile.
 """
 
@@ -48,7 +50,8 @@ def engine_profile(device: str, explicit: Optional[Mapping[str, Any]] = None) ->
     """Default engine fields for `device`. `explicit`: the fields the user set, which the profile yields to
     where one default depends on another (CUDA graphs need the Triton attention)."""
     explicit = explicit or {}
-    profile: dict[str, Any] = {"speculative": dict(DEFAULT_SPECULATION), "enable_prefix_caching": True}
+    profile: dict[str, Any] = {"speculative": dict(DEFAULT_SPECULATION), "enable_prefix_caching": True,
+                               "engine_process": True}
     if not device.startswith("cuda"):
         return profile | {"dtype": "float32"}
     profile |= {"dtype": "bfloat16", "lora_backend": "triton", "attn_backend": "triton", "layer_ops": "triton"}

@@ -40,22 +40,29 @@ from typing import Optional
 
 from deployments.serve_internals import SERVE_REPLICA_MODULE, ray_worker_script
 from deployments.warm_launch import HEADER_BYTES, socket_path
+from engine_ext.core import CORE_MODULE, CoreLaunch
 
-__all__ = ["PRELOAD_MODULES", "launcher_command", "ensure_server", "server_answers", "forked_at"]
+__all__ = ["PRELOAD_MODULES", "MODULE_PROGRAMS", "launcher_command", "core_launch", "ensure_server",
+           "server_answers", "forked_at"]
 
 logger = logging.getLogger(__name__)
 
 # What an LLM replica imports before it serves: Serve's replica actor (Ray's worker with it), the engine and
-# torch, the tokenizer's transformers classes, the deployment and what its constructor imports.
+# torch, the tokenizer's transformers classes, the deployment and what its constructor imports; and its engine
+# core's process.
 PRELOAD_MODULES = (SERVE_REPLICA_MODULE, "torch", "transformers",
                    "transformers.tokenization_utils_tokenizers", "safetensors.torch", "engine_ext",
-                   "deployments.replica.llm_deployment", "deployments.bootstrap", "registry", "demo")
+                   "deployments.replica.llm_deployment", "deployments.bootstrap", "registry", "demo", CORE_MODULE)
+# Programs a launcher may ask for besides Ray's worker script, as `-m MODULE`: an LLM replica's engine core
+# process, so a replacement's core starts without a new interpreter's imports either.
+MODULE_PROGRAMS = (CORE_MODULE,)
 # BLAS and OpenMP pools start their threads when their library loads; the server must hold no thread when it
 # forks, and a forked replica sets its torch threads itself (torch.set_num_threads).
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 # Left out of the environment a worker must share with the server: the server sets these for itself, and a
-# forked worker takes its launcher's values.
-PER_WORKER_ENV = frozenset(SINGLE_THREADED)
+# forked worker takes its launcher's values (an engine core: the GPUs Ray gave its replica; the server never
+# touches CUDA, so the fork reads them when it first does).
+PER_WORKER_ENV = frozenset(SINGLE_THREADED) | {"CUDA_VISIBLE_DEVICES"}
 ACCEPT_TIMEOUT_S = 0.5  # how often the server reaps forked workers and checks the raylet
 
 _forked_at: Optional[float] = None  # set in a forked worker: when the server forked it
@@ -66,10 +73,24 @@ def forked_at() -> Optional[float]:
     return _forked_at
 
 
+def _launcher() -> tuple[str, ...]:
+    return sys.executable, "-I", "-S", str(Path(__file__).with_name("warm_launch.py"))
+
+
 def launcher_command() -> str:
     """The LLM replicas' runtime_env `py_executable`: this interpreter running warm_launch.py."""
-    launcher = Path(__file__).with_name("warm_launch.py")
-    return " ".join(shlex.quote(part) for part in (sys.executable, "-I", "-S", str(launcher)))
+    return " ".join(shlex.quote(part) for part in _launcher())
+
+
+def core_launch() -> Optional[CoreLaunch]:
+    """How an LLM replica starts its engine core: through warm_launch.py, as a fork of this node's warm server,
+    when one answers (None: a new interpreter). Call inside the replica. The core's environment is the one the
+    replica started with (what the server imported under), with this replica's per-worker values."""
+    if not server_answers():
+        return None
+    env = {k: v for k, v in _launch_environ().items() if k not in PER_WORKER_ENV}
+    env |= {k: os.environ[k] for k in PER_WORKER_ENV if k in os.environ}
+    return CoreLaunch(command=_launcher(), env=env)
 
 
 # ---------------------------------------------------------------------------------------------- replica side
@@ -161,8 +182,10 @@ class _Imported:
         argv, env = request["argv"], request["env"]
         if os.path.realpath(request["python"]) != self.python:
             return "interpreter"
-        if not argv or os.path.realpath(argv[0]) != self.worker_script:
+        if not argv or (argv[0] != "-m" and os.path.realpath(argv[0]) != self.worker_script):
             return "worker-script"
+        if argv[0] == "-m" and argv[1:2] not in [[m] for m in MODULE_PROGRAMS]:
+            return "program"
         differ = sorted(k for k in set(env) ^ set(self.env) | {k for k in env if env[k] != self.env.get(k)}
                         if k not in PER_WORKER_ENV)
         if differ:
@@ -210,7 +233,7 @@ def _exit_with_launcher(alive_fd: int) -> None:
 
 def _become_worker(request: dict, fds: list[int], inherited: list) -> None:
     """In the forked child: take the launcher's stdio, directory, environment and command line, and run Ray's
-    worker script as `python ARGV` would. Never returns."""
+    worker script (or a module of MODULE_PROGRAMS) as `python ARGV` would. Never returns."""
     global _forked_at
     code = 1
     try:
@@ -230,8 +253,13 @@ def _become_worker(request: dict, fds: list[int], inherited: list) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        if sys.argv[0] == "-m":
+            sys.argv, module = [sys.argv[1], *sys.argv[2:]], sys.argv[1]
+            sys.path[0] = request["cwd"]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))
+            runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -3,7 +3,7 @@ speculative LoRA-off drafting."""
 
 from .async_engine import AsyncLLMEngine
 from .config import EngineConfig, SpecConfig
-from .errors import InvalidParameterError, PromptTooLongError, RequestRefused
+from .errors import EngineDeadError, InvalidParameterError, PromptTooLongError, RequestRefused
 from .kernels import KernelSettings
 from .llm_engine import LLMEngine, StepContext
 from .lora_adapter import AdapterError
@@ -15,6 +15,7 @@ __all__ = [
     "AdapterError",
     "AsyncLLMEngine",
     "EngineConfig",
+    "EngineDeadError",
     "InvalidParameterError",
     "KernelSettings",
     "LLMEngine",

@@ -161,3 +161,9 @@ class AdapterManager:
     def host_resident(self) -> list[str]:
         with self._lock:
             return list(self._host)
+
+    @property
+    def registered(self) -> list[str]:
+        """Every adapter name added and not removed (parsed in host memory or not)."""
+        with self._lock:
+            return list(self.paths)

@@ -103,6 +103,11 @@ class EngineConfig:
     # are checked on the host against the buffers they address before the forward runs; a violation
     # raises ForwardInputError instead of an illegal memory access on the device. Costs host time.
     debug_checks: bool = False
+    # AsyncLLMEngine runs the engine core (scheduler, executor, adapters, KV cache; tensor-parallel ranks are its
+    # children) in a process of its own and is its client (core/): the caller's Python (streams, rendering,
+    # detokenizing) never takes the step loop's interpreter. False: the core runs on a thread of the caller's
+    # process (tests, notebooks). LLMEngine itself is the core either way.
+    engine_process: bool = False
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,10 +1,9 @@
-"""Typed refusals of a request, so a serving layer maps them to its answers by type, never by message text.
-
-All are ValueErrors (what `add_request` raised before they had types of their own)."""
+"""Typed refusals of a request, so a serving layer maps them to its answers by type, never by message text (all are
+ValueErrors, what `add_request` raised before they had types of their own); and the engine's own failure."""
 
 from __future__ import annotations
 
-__all__ = ["RequestRefused", "PromptTooLongError", "InvalidParameterError"]
+__all__ = ["RequestRefused", "PromptTooLongError", "InvalidParameterError", "EngineDeadError"]
 
 
 class RequestRefused(ValueError):
@@ -30,3 +29,8 @@ class InvalidParameterError(RequestRefused):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone (its process exited): every request in flight ended with this, and the engine takes
+    no more. Nothing of the request was at fault: another engine may serve it."""

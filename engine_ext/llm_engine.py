@@ -49,7 +49,9 @@ class StepContext:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True):
+        """detokenize: False for an engine core whose client detokenizes (core/): step() returns TokenDelta's,
+        not RequestOutputs, and requests may not carry stop strings (the client applies them)."""
         start = time.perf_counter()
         if config.model is None:
             raise ValueError("EngineConfig.model is None: an engine needs the model's directory")
@@ -76,7 +78,8 @@ class LLMEngine:
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.outputs = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer if detokenize else None, eos, self.max_model_len)
+        self._output = self.outputs.output if detokenize else self.outputs.delta
         self._seeds = random.Random(config.seed)  # the noise keys of requests without a seed
         self.seqs: dict[str, Sequence] = {}
         self._flight: Flight | None = None  # the step queued on the device and not read yet
@@ -121,6 +124,10 @@ class LLMEngine:
         """A pinned adapter is never evicted from host memory or from its device slot."""
         self.adapters.set_pinned(name, pinned)
 
+    def registered_adapters(self) -> list[str]:
+        """Every adapter added and not removed."""
+        return self.adapters.registered
+
     def host_adapters(self) -> list[str]:
         """The adapters parsed in host memory now, least recently used first (the engine's host cache)."""
         return self.adapters.host_resident
@@ -158,8 +165,8 @@ class LLMEngine:
             raise PromptTooLongError(f"prompt needs more KV blocks than the cache has ({self.blocks.num_blocks})",
                                      len(prompt_token_ids), self.blocks.num_blocks * self.config.block_size - room)
         params.check_vocab(self.spec.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a model with a tokenizer")
+        if params.stop and self.outputs.detokenizer is None:
+            raise ValueError("stop strings need a model with a tokenizer, and an engine that detokenizes")
         if adapter_name is not None and not self.adapters.known(adapter_name):
             raise AdapterError(adapter_name, "unknown adapter (add it with add_adapter first)")
         seq = Sequence(request_id, prompt_token_ids, params, adapter_name)
@@ -203,7 +210,8 @@ class LLMEngine:
     # ---------------------------------------------------------------- the loop
     def step(self, ctx: StepContext | None = None) -> list[RequestOutput]:
         """Queue the next step, then read the one queued before it; returns the outputs reading it gave, and those
-        of requests that ended otherwise (aborts). A step whose tokens are drawn from the host's history
+        of requests that ended otherwise (aborts): RequestOutputs, or TokenDeltas where the engine does not
+        detokenize. A step whose tokens are drawn from the host's history
         (penalties) is read before the next one is planned, and so is one whose sequences' room for the most it can
         commit is not free (the scheduler says so)."""
         ctx = ctx or StepContext()
@@ -266,7 +274,7 @@ class LLMEngine:
                 if not self.outputs.append(seq, token, row):
                     live.append(seq)
         if live:
-            ctx.publish([self.outputs.output(s, False) for s in live])
+            ctx.publish([self._output(s, False) for s in live])
 
     def _read(self, queued: Flight | None) -> list[RequestOutput]:
         """Read the step queued before `queued` (the one just queued, if any): commit each row's tokens, hand back
@@ -350,14 +358,14 @@ class LLMEngine:
         """Outputs of the sequences a read touched and of those that finished (aborts included)."""
         finished, self.scheduler.finished = self.scheduler.finished, []
         if not finished:  # (a touched sequence that ended is among the finished: these are each once, running)
-            output = self.outputs.output
+            output = self._output
             return [output(seq, False) for seq in touched]
         outs, seen = [], set()
         for seq in touched + finished:
             if seq.request_id in seen:
                 continue
             seen.add(seq.request_id)
-            outs.append(self.outputs.output(seq, seq.finished))
+            outs.append(self._output(seq, seq.finished))
             if seq.finished:
                 self.seqs.pop(seq.request_id, None)
         return outs
@@ -401,4 +409,5 @@ class LLMEngine:
             "startup": dict(self.startup),  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
             "device_adapters": self.adapters.slots.resident,
             "host_adapters": self.adapters.host_resident,
+            "pinned_adapters": sorted(self.adapters.pinned),
         }

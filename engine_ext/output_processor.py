@@ -1,16 +1,30 @@
-"""After a token is sampled: append it, detokenize, check stops, build the caller's incremental output.
+"""After a token is sampled: append it, check stops, build the caller's incremental output.
 
-Text is decoded incrementally where the tokenizer allows it (a `tokenizers` backend, as every fast tokenizer has,
-with no clean-up of spaces): each token's text comes from the `tokenizers` library's DecodeStream, which decodes a
-short window of the latest tokens, so a step costs the host the same at the thousandth token as at the first.
-Decoding a sequence's whole output again at every step cost 0.5 ms a sequence at 256 tokens (SmolLM2's tokenizer),
-several times a 128-sequence step's device time. Other tokenizers decode the whole output each time."""
+The text (incremental decoding, stop strings) is a TextState per sequence (detokenizer.py), kept here when the
+engine detokenizes; an engine core leaves it to its client and hands out token-level deltas instead (`delta`)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from .detokenizer import Detokenizer
 from .sequence import RequestOutput, Sequence, TokenLogprobs
+
+
+class TokenDelta(NamedTuple):
+    """What one step gave a request, without text: an engine core's output (cheaper to build than a RequestOutput)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # set once it finished
+    new_logprobs: list[TokenLogprobs] | None  # with params.logprobs: one per new token
+    logits: torch.Tensor | None  # [len(output), vocab] on the finished delta, with params.return_logits
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 def token_logprobs(token: int, logits: torch.Tensor | None, k: int) -> TokenLogprobs:
@@ -23,59 +37,27 @@ def token_logprobs(token: int, logits: torch.Tensor | None, k: int) -> TokenLogp
     return TokenLogprobs(int(token), float(lp[token]), pairs)
 
 
-def stream_backend(tokenizer):
-    """The `tokenizers.Tokenizer` that streams `tokenizer`'s text exactly as its decode(skip_special_tokens=True)
-    would give it, or None (decode the whole output instead)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None  # clean-up rewrites spaces around punctuation over the whole text: a window cannot
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:  # tokenizers < 0.21
-        return None
-    return backend if hasattr(DecodeStream(skip_special_tokens=True), "step") else None
-
-
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
-        self.tokenizer = tokenizer
+        """tokenizer: None leaves text out (every output's text is empty; stop strings need a client that
+        detokenizes)."""
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self._stream = stream_backend(tokenizer) if tokenizer is not None else None
-
-    def _decode_new(self, seq: Sequence, token: int) -> None:
-        """Extend seq.text with `token`'s text, once it is final (a partial UTF-8 character waits for its rest)."""
-        if seq.decoder is None:
-            from tokenizers.decoders import DecodeStream
-
-            seq.decoder = DecodeStream(skip_special_tokens=True)
-        piece = seq.decoder.step(self._stream, token)
-        if piece:
-            seq.text += piece
 
     def append(self, seq: Sequence, token: int, logits: torch.Tensor | None = None) -> bool:
         """Append one token; returns True when the sequence finished on it (exactly where plain
         decoding would stop, also when it sits inside a longer accepted speculative run)."""
         p = seq.params
         seq.output_token_ids.append(token)
-        if self._stream is not None:
-            self._decode_new(seq, token)
         if p.return_logits and logits is not None:
             seq.logits.append(logits.detach().float().cpu())
         if p.logprobs is not None:
             seq.logprobs.append(token_logprobs(token, logits, p.logprobs))
-        if p.stop and self.tokenizer is not None:
-            prev = len(seq.text)
-            if self._stream is None:
-                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            else:  # appended above; the stop may span the text before it
-                prev = seq.num_stop_checked
-                seq.num_stop_checked = len(seq.text)
-            tail_from = max(0, prev - max(len(s) for s in p.stop))
-            hits = [i for i in (seq.text.find(s, tail_from) for s in p.stop) if i >= 0]
-            if hits:
-                seq.text = seq.text[: min(hits)]
-                seq.text_is_final = True
+        if self.detokenizer is not None:
+            if seq.text is None:
+                seq.text = self.detokenizer.text_state(p.stop)
+            if seq.text.add(seq.output_token_ids):
                 seq.finish_reason = "stop"
                 return True
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
@@ -84,42 +66,22 @@ class OutputProcessor:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
-    def _final_text(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        if seq.text_is_final:
-            return seq.text  # already cut before the stop string
-        full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        # The whole output decoded once (it shows a partial character the stream held back); where that is not an
-        # extension of the text streamed so far, the streamed text stands (what was handed out cannot change)
-        return full if full.startswith(seq.text) else seq.text
-
     def output(self, seq: Sequence, finished: bool) -> RequestOutput:
-        """The caller's view; text is emitted only once it cannot change (no partial UTF-8, no text that
-        might turn out to be the start of a stop string), so streamed deltas concatenate to the final text."""
-        if finished:
-            seq.text = self._final_text(seq)
-            stable = len(seq.text)
-        elif self.tokenizer is not None:
-            if self._stream is None:
-                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            stable = len(seq.text.rstrip("\ufffd"))
-            if seq.params.stop:
-                stable = max(0, min(stable, len(seq.text) - max(len(s) for s in seq.params.stop) + 1))
-        else:
-            stable = 0
-        stable = max(stable, seq.num_emitted_chars)
+        """The caller's view, its text only what cannot change any more (TextState.emit)."""
+        text, delta = "", ""
+        if self.detokenizer is not None:
+            if seq.text is None:
+                seq.text = self.detokenizer.text_state(seq.params.stop)
+            text, delta = seq.text.emit(seq.output_token_ids, finished)
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens :]
         new_logprobs = seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
-        delta = seq.text[seq.num_emitted_chars : stable]
         seq.num_emitted_tokens = len(seq.output_token_ids)
-        seq.num_emitted_chars = stable
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             num_token_ids=len(seq.output_token_ids),
-            text=seq.text[:stable],
+            text=text,
             new_token_ids=new_tokens,
             delta_text=delta,
             finished=finished,
@@ -129,3 +91,10 @@ class OutputProcessor:
             new_logprobs=new_logprobs,
             logprobs=list(seq.logprobs) if finished and seq.params.logprobs is not None else None,
         )
+
+    def delta(self, seq: Sequence, finished: bool) -> TokenDelta:
+        """What `output` would give, less the text: the tokens (and log-probabilities) since the last one."""
+        start, seq.num_emitted_tokens = seq.num_emitted_tokens, len(seq.output_token_ids)
+        return TokenDelta(seq.request_id, seq.output_token_ids[start:], seq.finish_reason if finished else None,
+                          seq.logprobs[start:] if seq.params.logprobs is not None else None,
+                          torch.stack(seq.logits) if finished and seq.logits else None)

@@ -44,12 +44,8 @@ class Sequence:
     num_computed: int = 0  # positions whose KV is in the cache and final (written by the adapter-on model)
     finish_reason: str | None = None  # set when it ends (it may still be in a step queued on the device)
     seed: int = 0  # the key of its sampling noise: params.seed, or drawn by the engine when it arrived
-    text: str = ""
-    text_is_final: bool = False  # set when a stop string cut the text
-    decoder: Any = field(default=None, repr=False)  # its incremental detokenizer (output_processor.py), if any
-    num_stop_checked: int = 0  # characters of text already searched for stop strings (incremental decoding)
+    text: Any = field(default=None, repr=False)  # its detokenizer.TextState, where the engine detokenizes
     num_emitted_tokens: int = 0  # tokens already handed to the caller
-    num_emitted_chars: int = 0
     logits: list[torch.Tensor] = field(default_factory=list)  # only with params.return_logits
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # only with params.logprobs
     arrival: int = field(default_factory=lambda: next(_arrival))

@@ -79,6 +79,10 @@ class AffinityRouter(RequestRouter):
         pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
         self._ensure_state()
+        # A replica whose engine died takes nothing (it answers at once, so it would look least loaded) while Serve
+        # replaces it; unless none is left
+        candidate_replicas = [r for r in candidate_replicas if (r.routing_stats or {}).get("engine_alive", True)] \
+            or candidate_replicas
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

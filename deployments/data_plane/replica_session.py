@@ -1,10 +1,11 @@
 """One request's trip through the LLM replicas: the cold-load gate, the first chunk, then the deltas.
 
 `begin()` runs up to the replica's first chunk so that failures before any token (adapter disabled meanwhile,
-prompt too long, no replica) are still ordinary HTTP errors. A replica that fails (`ReplicaUnavailable`) before the
-client has seen a token is replaced by another without the client noticing; one that fails after ends the stream
-with an OpenAI-format error. What the session learns is kept in `choices` and its fields; what /metrics should
-know goes to its observer (`StreamMetrics`); the renderers (`renderers.py`) turn the deltas into JSON or SSE.
+prompt too long, no replica) are still ordinary HTTP errors. A replica that fails (`ReplicaUnavailable`: the replica
+gone, or its engine core: an error chunk coded as one of REPLICA_FAILURES) before the client has seen a token is
+replaced by another without the client noticing; one that fails after ends the stream with an OpenAI-format error.
+What the session learns is kept in `choices` and its fields; what /metrics should know goes to its observer
+(`StreamMetrics`); the renderers (`renderers.py`) turn the deltas into JSON or SSE.
 """
 
 from __future__ import annotations
@@ -20,9 +21,17 @@ from deployments.data_plane.protocol import GenerateRequest, ReplicaUnavailable,
 from deployments.data_plane.rate_limit import ColdLoadGate
 from deployments.data_plane.stream_metrics import StreamMetrics
 
-__all__ = ["ReplicaSession", "Choice", "Delta"]
+__all__ = ["ReplicaSession", "Choice", "Delta", "REPLICA_FAILURES"]
 
 logger = logging.getLogger(__name__)
+# Error chunks that mean the replica failed, not the request (deployments.replica.errors): retried elsewhere
+REPLICA_FAILURES = frozenset({"engine_unavailable"})
+
+
+def _raise_if_replica_failed(chunk: dict) -> dict:
+    if chunk["type"] == "error" and chunk.get("code") in REPLICA_FAILURES:
+        raise ReplicaUnavailable(chunk["message"])
+    return chunk
 
 
 @dataclass
@@ -93,7 +102,7 @@ class ReplicaSession:
                 self.req, request_id=f"{self.req.request_id}-retry{self.retries}")
             self._it = self.llm.stream(req).__aiter__()
             try:
-                return await self._it.__anext__()
+                return _raise_if_replica_failed(await self._it.__anext__())
             except StopAsyncIteration:
                 return error_chunk(500, "internal_error", "replica returned no output")
             except ReplicaUnavailable as e:
@@ -189,7 +198,7 @@ class ReplicaSession:
             elif kind == "end":
                 self._on_end(chunk)
             elif kind == "error":
-                raise chunk_error(chunk)
+                raise chunk_error(_raise_if_replica_failed(chunk))
 
     def _on_end(self, chunk: dict) -> None:
         for i, reason in chunk.get("finish_reasons", {}).items():

@@ -1,8 +1,9 @@
 """Which adapter versions a replica offers, on top of the engine, which owns what is resident.
 
 The engine's host cache (`max_cpu_loras` parsed adapters) is the one record of residency: this module asks it
-(`host_adapters`) and orders its evictions (`choose_victim`: versions the registry no longer serves first, then
-the placement's order, never a pinned or warm home), but keeps no list of its own. What it adds is the serving
+(`host_adapters`) and orders its evictions by ranks it keeps the engine's core up to date with (`rank`: versions
+the registry no longer serves first, then the placement's order, never a pinned or warm home), but keeps no list
+of its own. What it adds is the serving
 state: files come through the registry only (`materialize` re-checks every sha256; never a path from a request),
 one load at a time per version; disabled adapters are refused; withdrawn versions are not offered.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from deployments.replica.placement import ReplicaPlacement
 from router.keys import AdapterKey
@@ -42,7 +43,7 @@ class ReplicaAdapters:
         self._blocked: set[str] = set()  # disabled adapter names (every version)
         self._withdrawn: set[str] = set()  # keys of versions the registry no longer serves
         self._registered_by: dict[str, str] = {}  # key -> what made this replica register it (CAUSES)
-        engine.set_host_eviction(self.choose_victim)
+        self.rerank(replace=True)  # this replica's order takes over the engine's evictions
 
     # ---------------------------------------------------------------- requests
     async def acquire(self, key: str, record: Any = None, cause: str = "request") -> tuple[bool, float]:
@@ -86,6 +87,7 @@ class ReplicaAdapters:
             self._loading.pop(key, None)
         fut.set_result(None)
         self._registered_by[key] = cause
+        self.rerank([key])
         return self._clock() - start
 
     async def _load(self, key: AdapterKey, record: Any) -> None:
@@ -123,6 +125,7 @@ class ReplicaAdapters:
         for key in sorted(withdrawn - self._withdrawn):  # its cached prompt KV would only wait for eviction
             self._engine.drop_cached_prefixes(key)
         self._withdrawn = {k for k in self._withdrawn if AdapterKey.family(k) != name} | withdrawn
+        self.rerank(versions)
 
     # ---------------------------------------------------------------- views
     def known(self) -> list[str]:
@@ -146,9 +149,22 @@ class ReplicaAdapters:
         return dict(self._registered_by)
 
     # ---------------------------------------------------------------- the engine's evictions
-    def choose_victim(self, candidates: list[str]) -> Optional[str]:
-        """Which of the engine's unpinned host-resident adapters (least recently used first) to evict:
-        withdrawn versions first, then the placement's order (homed elsewhere, then tier, then decayed
-        requests); pinned and warm homes stay."""
-        pool = [k for k in candidates if k in self._withdrawn or not self._placement.protected(k)]
-        return min(pool, key=lambda k: (k not in self._withdrawn, self._placement.victim_key(k)), default=None)
+    def rank(self, key: str) -> Optional[tuple]:
+        """Where `key` stands in the engine's host-cache evictions (the smallest goes first): withdrawn versions
+        first, then the placement's order (homed elsewhere, then tier, then decayed requests); None for pinned and
+        warm homes, which stay. A key's rank changes only when its requests, the plan or its withdrawal do."""
+        withdrawn = key in self._withdrawn
+        if not withdrawn and self._placement.protected(key):
+            return None
+        return (not withdrawn, *self._placement.victim_key(key))
+
+    def rerank(self, keys: Optional[Iterable[str]] = None, replace: bool = False) -> None:
+        """Tell the engine the ranks of `keys` (default: every adapter in its host cache); replace: and forget
+        every other rank it was told."""
+        keys = self._engine.host_adapters() if keys is None else keys
+        self._engine.rank_host_eviction({key: self.rank(key) for key in keys}, replace)
+
+    def note_request(self, key: str) -> None:
+        """A request for `key`: it counts in the placement's order, and so in its rank."""
+        self._placement.note_request(key)
+        self.rerank([key])

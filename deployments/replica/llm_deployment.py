@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -29,7 +30,7 @@ class LLMDeployment:
         import torch
 
         from deployments.bootstrap import make_registry, replica_model_dir
-        from engine_ext import AsyncLLMEngine, LLMEngine
+        from engine_ext import AsyncLLMEngine
 
         marks["imports_done"] = time.time()
         cfg = AppConfig.model_validate(config)
@@ -37,9 +38,13 @@ class LLMDeployment:
         registry = make_registry(cfg)
         model_dir = await asyncio.to_thread(replica_model_dir, cfg, registry)  # may download the base model
         marks["model_dir_ready"] = time.time()
-        llm = LLMEngine(engine_config(cfg, model_dir))
+        # engine.engine_process (on by default): the engine core runs in a child process, with this replica's torch
+        # threads (forked from the node's warm start server when it runs); this process keeps the streams,
+        # detokenizing and Serve
+        launch = warm_start.core_launch() if cfg.warm_start else None
+        engine = await asyncio.to_thread(AsyncLLMEngine, engine_config(cfg, model_dir), launch=launch)
+        marks["engine_core_forked"] = _forked_elsewhere(engine.core_pid)
         marks["engine_ready"] = time.time()
-        engine = AsyncLLMEngine(llm.config, llm)
         replica_id = serve.get_replica_context().replica_id.unique_id
         publish = residency_publisher() if cfg.push_residency else None
         sync = None
@@ -54,7 +59,7 @@ class LLMDeployment:
             gc.freeze()
             marks["gc_frozen_objects"] = gc.get_freeze_count() - frozen
         marks["ready"] = time.time()
-        marks["engine"] = dict(llm.startup)  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
+        marks["engine"] = dict(engine.startup)  # seconds: load_s, graph_capture_s, eager_warmup_s, total_s
         self.startup = marks
         if cfg.warm_start:  # for the replicas Ray starts on this node from now on (after this one is ready)
             asyncio.get_running_loop().run_in_executor(None, warm_start.ensure_server)
@@ -75,16 +80,18 @@ class LLMDeployment:
         return self.server.prompts.bound
 
     async def describe(self) -> dict[str, Any]:
-        """Replica id, known adapters, routing stats, placement share and start-up: wall-clock marks
-        (process_started, constructor, imports_done, model_dir_ready, engine_ready, ready, first_chunk_sent),
-        warm_start (the process was forked from the node's warm server) and the engine's own seconds."""
-        return {"replica": self.server.replica_id, "adapters": self.server.adapters.known(),
+        """Replica id, its engine core's process id (None: on a thread of the replica), known adapters, routing
+        stats, placement share and start-up: wall-clock marks (process_started, constructor, imports_done,
+        model_dir_ready, engine_ready, ready, first_chunk_sent), warm_start (the process was forked from the node's
+        warm server) and the engine's own seconds."""
+        return {"replica": self.server.replica_id, "engine_core_pid": self.server.engine.core_pid,
+                "adapters": self.server.adapters.known(),
                 "stats": self.server.record_routing_stats(), "placement": self.server.placement.share,
                 "startup": self.startup}
 
     def check_health(self) -> None:
         if not self.server.engine.is_alive():
-            raise RuntimeError("engine loop thread died, or a tensor-parallel rank did")
+            raise RuntimeError("the engine core died (its process, its loop or a tensor-parallel rank)")
 
     async def __del__(self):
         await self.server.stop()
@@ -94,6 +101,13 @@ class LLMDeployment:
             except Exception:  # noqa: BLE001 - the controller's heartbeat TTL takes it out anyway
                 pass
         self.server.engine.shutdown()
+
+
+def _forked_elsewhere(pid) -> bool:
+    """Whether the engine core `pid` is not this process's child: a fork of the node's warm start server."""
+    import psutil  # a Ray dependency
+
+    return pid is not None and psutil.Process(pid).ppid() != os.getpid()
 
 
 def _process_started_at() -> float:

@@ -58,6 +58,7 @@ class LLMServer:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.engine.on_dead(self._on_engine_dead)
         await self.stats.read()
         self._spawn(self.stats.loop())
         # Follow the change feed as a named consumer: started again after a stop (say, during a promote),
@@ -83,6 +84,13 @@ class LLMServer:
         if self._loop is not None and isinstance(event, dict) and event.get("name"):
             self._loop.call_soon_threadsafe(self._spawn, self.sync.apply_change(event["name"]))
 
+    def _on_engine_dead(self, error: Exception) -> None:
+        """Called on the engine's thread: routers hear at once that this replica serves nothing any more (its
+        health check fails too, and Serve replaces it)."""
+        logger.error("engine core died: %s", error)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._publish_residency)
+
     def _publish_residency(self) -> None:
         # Tell Serve's controller at once (instead of at the next stats period), so routers see the
         # new resident adapter within a broadcast, not seconds later.
@@ -94,6 +102,7 @@ class LLMServer:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        from engine_ext import EngineDeadError
         from registry import RegistryUnavailable
 
         started_at = self._clock()
@@ -104,13 +113,13 @@ class LLMServer:
             if req.adapter_key is not None:
                 try:
                     hit, load_s = await self.adapters.acquire(req.adapter_key, req.adapter_record)
-                except (AdapterBlocked, AdapterLoadFailed, RegistryUnavailable) as e:
+                except (AdapterBlocked, AdapterLoadFailed, RegistryUnavailable, EngineDeadError) as e:
                     self._count_failure(req, e)
                     chunk = error_chunk_of(e, req)
                     track.chunk(chunk)
                     yield chunk
                     return
-                self.placement.note_request(req.adapter_key)
+                self.adapters.note_request(req.adapter_key)
                 if load_s:
                     self.health.ok(BLOBS)  # it fetched the files
                 if not hit:
@@ -164,6 +173,9 @@ class LLMServer:
                            "logprobs": self.prompts.logprob_entries(out)}
                 if out.finished:
                     finish[i], tokens[i] = out.finish_reason or "stop", len(out.token_ids)
+        except Exception as e:  # noqa: BLE001 - the table names what ends a stream with an error chunk (the engine
+            yield error_chunk_of(e, req)  # core gone: a 503 to retry elsewhere); the rest re-raise
+            return
         finally:
             await merged.aclose()  # the caller went away: abort every unfinished choice now
         yield {"type": "end", "finish_reason": finish[0], "completion_tokens": sum(tokens.values()),
@@ -194,6 +206,7 @@ class LLMServer:
             "num_waiting": s.get("num_waiting"),
             "free_kv_blocks": s.get("free_kv_blocks"),
             "num_ongoing": self._ongoing,
+            "engine_alive": self.engine.is_alive(),  # False: routers send it nothing (router.ray_router)
             "disabled": self.adapters.blocked(),
             "reported_at": self._clock(),
             # families the placement homed here in host memory (pinned, warm); None: no controller

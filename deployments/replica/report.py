@@ -36,10 +36,14 @@ class EngineStatsReader:
         return self.latest
 
     async def loop(self, period_s: float = 0.5) -> None:
+        from engine_ext import EngineDeadError
+
         while True:
             await asyncio.sleep(period_s)
             try:
                 await self.read()
+            except EngineDeadError:  # the replica is being replaced: nothing more to read
+                return
             except Exception:  # noqa: BLE001 - stats are advisory
                 logger.exception("engine.stats() failed")
 

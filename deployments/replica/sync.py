@@ -105,11 +105,14 @@ class ReplicaSync:
     async def placement_loop(self, sync: Callable[[], Awaitable[dict]], period_s: float) -> None:
         while True:
             try:
-                self.placement.share = await sync()
+                share = await sync()
             except Exception as e:  # noqa: BLE001 - advisory: keep serving on the last plan
                 self.health.failed(CONTROLLER, e)
             else:
                 self.health.ok(CONTROLLER)
+                changed, self.placement.share = share != self.placement.share, share
+                if changed:  # tiers and homes order the engine's evictions
+                    self.adapters.rerank()
                 await self.apply_placement()
             await asyncio.sleep(period_s)
 

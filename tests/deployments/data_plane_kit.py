@@ -63,7 +63,8 @@ class Kit:
         return sorted(self.demo)[0]
 
 
-def build(tmp, **deps_overrides) -> Kit:
+def build(tmp, engine: Optional[dict] = None, **deps_overrides) -> Kit:
+    """engine: the app config's engine section (EngineConfig fields) over the defaults."""
     import shutil
 
     from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
@@ -77,7 +78,8 @@ def build(tmp, **deps_overrides) -> Kit:
 
     registry = {"registry_db": str(tmp / "r.db"), "blob_dir": str(tmp / "blobs"), "materialize_dir": str(tmp / "mat"),
                 "allowed_local_roots": [str(tmp / "in")], "poll_interval_s": 0.2}
-    cfg = bootstrap(load_config({"demo_recipe": "quick", "registry": registry, "api_keys": KEYS}, env={}))
+    cfg = bootstrap(load_config({"demo_recipe": "quick", "registry": registry, "api_keys": KEYS,
+                                 "engine": engine or {}}, env={}))
     paths = demo_paths(cfg)
     reg = make_registry(cfg)
     src = tmp / "in" / "secret"

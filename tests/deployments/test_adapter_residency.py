@@ -9,6 +9,7 @@ import pytest
 
 from deployments.replica.adapters import AdapterBlocked, AdapterLoadFailed, ReplicaAdapters
 from deployments.replica.placement import ReplicaPlacement
+from engine_ext.core.eviction_order import HostEvictionOrder
 from router.placement import PlacementConfig
 
 
@@ -19,19 +20,20 @@ class Rec:
 
 
 class Engine:
-    """The engine's adapter surface: registrations, a host LRU of `capacity` with an eviction hook."""
+    """The engine's adapter surface: registrations, a host LRU of `capacity` evicting by the engine's own
+    rank-ordered policy."""
 
     def __init__(self, capacity=8, fail=()):
         self.paths, self.host, self.capacity, self.fail, self.added = {}, [], capacity, set(fail), []
-        self.choose = lambda candidates: candidates[0]
+        self.order = HostEvictionOrder()
         self.dropped = []  # keys whose prefix-cache blocks were dropped
 
     def drop_cached_prefixes(self, key):
         self.dropped.append(key)
         return 0
 
-    def set_host_eviction(self, choose):
-        self.choose = choose
+    def rank_host_eviction(self, ranks, replace=False):
+        self.order.rank(ranks, replace)
 
     def has_adapter(self, key):
         return key in self.paths
@@ -46,7 +48,7 @@ class Engine:
         self.paths[key] = path
         self.host.append(key)
         while len(self.host) > self.capacity:
-            victim = self.choose([k for k in self.host if k != key])
+            victim = self.order.choose([k for k in self.host if k != key])
             if victim is None:
                 break
             self.host.remove(victim)
@@ -172,12 +174,12 @@ def test_the_engine_evicts_withdrawn_versions_then_by_placement_and_keeps_homes(
         for key in ("w@1", "x@1", "c@1"):
             await adapters.acquire(key)
         for _ in range(3):
-            placement.note_request("x@1")
+            adapters.note_request("x@1")
         await adapters.acquire("y@1")  # over by one: x (homed elsewhere) before the cold home c; w stays
         assert engine.host_adapters() == ["w@1", "c@1", "y@1"]
         adapters.retire("c", keep=frozenset())
         await adapters.acquire("z@1")  # a withdrawn version goes first, even before a copy homed elsewhere
         assert engine.host_adapters() == ["w@1", "y@1", "z@1"]
-        assert adapters.choose_victim(["w@1"]) is None  # a warm home is never chosen
+        assert adapters.rank("w@1") is None  # a warm home is never chosen
 
     run(scenario())

@@ -28,18 +28,26 @@ def kit(tmp_path_factory):
 
 
 class FailingTransport:
-    """The real replica behind a transport that fails `fail` times, after `after` chunks of the stream."""
+    """The real replica behind a transport that fails `fail` times, after `after` chunks of the stream: the replica
+    gone (`ReplicaUnavailable`, as Ray reports it), or its engine core gone (`core=True`: the error chunk the
+    replica sends then)."""
 
-    def __init__(self, inner, fail: int, after: int = 0):
-        self.inner, self.fail, self.after, self.calls = inner, fail, after, 0
+    def __init__(self, inner, fail: int, after: int = 0, core: bool = False):
+        self.inner, self.fail, self.after, self.core, self.calls = inner, fail, after, core, 0
 
     async def stream(self, req):
+        from deployments.replica.errors import error_chunk_of
+        from engine_ext import EngineDeadError
+
         self.calls += 1
         failing = self.calls <= self.fail
         n = 0
         async for chunk in self.inner.stream(req):
             if failing and n == self.after:
-                raise ReplicaUnavailable("ActorDiedError")
+                if not self.core:
+                    raise ReplicaUnavailable("ActorDiedError")
+                yield error_chunk_of(EngineDeadError("the engine core (pid 1) exited with code -9"), req)
+                return
             n += 1
             yield chunk
 
@@ -64,9 +72,10 @@ async def scrape(kit, app, token=None):
         return (await http.get("/metrics", headers={"Authorization": f"Bearer {token}"} if token else {})).text
 
 
+@pytest.mark.parametrize("core", [False, True], ids=["replica", "engine-core"])
 @pytest.mark.parametrize("after", [0, 1, 3])  # before the start chunk, after it, after two deltas (not yet sent)
-def test_replica_failure_before_the_client_saw_a_token_is_retried_transparently(kit, after):
-    app, deps = app_with(kit, llm=FailingTransport(kit.deps.llm, fail=2, after=after))
+def test_replica_failure_before_the_client_saw_a_token_is_retried_transparently(kit, after, core):
+    app, deps = app_with(kit, llm=FailingTransport(kit.deps.llm, fail=2, after=after, core=core))
     c = kit.client(app=app)
     kw = dict(model=kit.adapter, prompt="def main():", max_tokens=8, temperature=0)
     raw = kit.run(c.completions.with_raw_response.create(**kw))
@@ -91,8 +100,9 @@ def test_streamed_request_retried_when_no_token_was_sent(kit):
     assert kit.run(go()) == full.choices[0].message.content
 
 
-def test_failure_after_a_streamed_token_ends_with_an_openai_error_event(kit):
-    app, _ = app_with(kit, llm=FailingTransport(kit.deps.llm, fail=1, after=3))
+@pytest.mark.parametrize("core", [False, True], ids=["replica", "engine-core"])
+def test_failure_after_a_streamed_token_ends_with_an_openai_error_event(kit, core):
+    app, _ = app_with(kit, llm=FailingTransport(kit.deps.llm, fail=1, after=3, core=core))
     c = kit.client(app=app)
 
     async def go():

@@ -196,7 +196,9 @@ def test_tokenization_does_not_block_the_replica_event_loop(kit):
 
 
 def test_logit_bias_outside_the_vocabulary_is_400_before_any_token(kit):
-    vocab = kit.engine.engine.spec.vocab_size
+    from engine_ext.model_config import load_model_spec
+
+    vocab = load_model_spec(kit.engine.config.model).vocab_size
     steps = engine_steps(kit)
     r = post(kit, "/v1/completions", {"model": kit.base, "prompt": "x", "logit_bias": {str(vocab): 1.0}})
     err = assert_openai_error(r, 400, "invalid_request")

@@ -25,7 +25,7 @@ def ref(kit):
     from deployments.engine_settings import engine_config
     from engine_ext import LLMEngine, SamplingParams
 
-    engine = LLMEngine(engine_config(kit.cfg, kit.engine.engine.config.model))
+    engine = LLMEngine(engine_config(kit.cfg, kit.engine.config.model))
     for name, path in kit.demo.items():
         engine.add_adapter(name, path)
     probe = SamplingParams(max_tokens=1, return_logits=True, ignore_eos=True)

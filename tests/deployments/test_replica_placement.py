@@ -98,12 +98,13 @@ def test_replica_prefetches_pins_and_unpins_homes(engine_env):
             await wait_until(lambda: {"pl-00@1", "pl-01@1"} <= set(server.adapters.known())
                              and server.placement.pinned == {"pl-00@1"})
             stats = await asyncio.to_thread(engine.stats)
-            pinned_in_engine = set(engine.engine.adapters.pinned)  # noqa: SLF001 - the test looks inside
+            pinned_in_engine = set(stats["pinned_adapters"])
             routing = server.record_routing_stats()
             first = [c async for c in server.generate(GenerateRequest("q1", "pl-00@1", GREEDY, prompt="x = 1\n"))]
             plan.share = {"version": 2, "tiers": {"pl-00": "cold", "pl-01": "warm"}}
             await wait_until(lambda: server.placement.pinned == set())
-            return stats, pinned_in_engine, routing, first, set(engine.engine.adapters.pinned)
+            after = await asyncio.to_thread(engine.stats)
+            return stats, pinned_in_engine, routing, first, set(after["pinned_adapters"])
         finally:
             await server.stop()
 

@@ -287,6 +287,7 @@ def test_killing_an_llm_replica_under_load_fails_no_request_before_its_first_tok
     # within a bound generous enough for a loaded 2-core CI machine, forked from the warm start server.
     assert "startup" in replaced, report
     assert replaced["startup"]["warm_start"] is True, report
+    assert replaced["startup"]["engine_core_forked"] is True, report  # its engine core too
     # and froze its start-up heap (AppConfig.gc_freeze): full collections no longer walk the engine's objects
     assert replaced["startup"]["gc_frozen_objects"] > 10_000, report
 

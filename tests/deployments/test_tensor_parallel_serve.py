@@ -1,5 +1,6 @@
 """The Serve app with `engine.tensor_parallel_size=2` on a local Ray cluster: one LLM replica in a placement group
-of two CPU bundles (STRICT_PACK), its engine on two processes (rank 0 in the replica, one worker rank it starts),
+of two CPU bundles (STRICT_PACK), its engine on two processes (rank 0 the replica's engine core process, one worker
+rank it starts),
 answering the official `openai` client, chat and completions, streamed and not, on the base model and demo
 adapters; its greedy completions are those of a one-rank engine on the same model and adapters."""
 
@@ -49,19 +50,18 @@ def served():
 
 
 def rank_processes(app: str) -> list[int]:
-    """Pids of the processes the app's LLM replicas spawned (their worker ranks): a spawned child's command line
-    is multiprocessing's `spawn_main`, its parent's the replica's process title."""
+    """Pids of the processes the app's LLM replicas' engine cores spawned (their worker ranks): a spawned child's
+    command line is multiprocessing's `spawn_main`."""
     import psutil
 
+    from tests.deployments.serve_harness import llm_replicas
+    from tests.deployments.test_engine_core_faults import core_pid
+
     out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any("spawn_main" in part for part in proc.info["cmdline"] or ()):
-                parent = proc.parent()
-                if parent is not None and f"ServeReplica:{app}:LLMServer" in " ".join(parent.cmdline()):
-                    out.append(proc.pid)
-        except psutil.Error:
-            continue
+    for actor in llm_replicas(app).values():
+        for child in psutil.Process(core_pid(actor)).children():
+            if any("spawn_main" in part for part in child.cmdline()):
+                out.append(child.pid)
     return out
 
 

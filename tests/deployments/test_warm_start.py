@@ -165,3 +165,43 @@ def assert_gone(pid: int, timeout: float = 30) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"process {pid} still runs")
+
+
+def test_an_engine_core_is_forked_from_the_server_and_fails_fast_when_killed(node, demo_paths):
+    """An LLM replica's engine core asked of the launcher (`-m engine_ext.core.process`, the replica's launch
+    environment) is a fork of the server, which imported it already; it serves, and a SIGKILL of it reaches its
+    client within 2 s (the server reaps it, the launcher exits as it did)."""
+    import asyncio
+
+    import psutil
+
+    from engine_ext import AsyncLLMEngine, EngineConfig, EngineDeadError, SamplingParams
+    from engine_ext.core import CORE_MODULE, CoreLaunch
+
+    code = (f"from deployments.warm_start import serve; serve({node['socket']!r}, "
+            f"modules=('warm_marker', {CORE_MODULE!r}), worker_script={str(node['dir'] / 'worker.py')!r})")
+    server = subprocess.Popen([sys.executable, "-c", code], env={**node["env"], "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not os.path.exists(node["socket"]):
+        assert server.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    launch = CoreLaunch(command=(sys.executable, "-I", "-S", str(LAUNCHER)),
+                        env={**node["env"], "OMP_NUM_THREADS": "2"})
+    engine = AsyncLLMEngine(EngineConfig(model=demo_paths["model"], num_kv_blocks=64, engine_process=True),
+                            launch=launch)
+
+    async def generate(n):
+        return [o async for o in engine.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(
+            max_tokens=n, ignore_eos=True))]
+
+    try:
+        assert psutil.Process(engine.core_pid).ppid() == server.pid  # forked, not a new interpreter
+        assert asyncio.run(generate(4))[-1].finished
+        killed = time.monotonic()
+        os.kill(engine.core_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            asyncio.run(asyncio.wait_for(generate(10_000), timeout=30))
+        assert time.monotonic() - killed < 2.0 and not engine.is_alive()
+    finally:
+        engine.shutdown()
+        stop(server)

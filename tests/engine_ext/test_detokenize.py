@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from engine_ext.output_processor import OutputProcessor, stream_backend
+from engine_ext.detokenizer import stream_backend
+from engine_ext.output_processor import OutputProcessor
 from engine_ext.sampling_params import SamplingParams
 from engine_ext.sequence import Sequence
 

@@ -28,11 +28,11 @@ def setup(tmp_path_factory):
     return model, adapters
 
 
-def _engine(setup, caching, spec=None, num_kv_blocks=256, max_num_seqs=64, **backend):
+def _engine(setup, caching, spec=None, num_kv_blocks=256, max_num_seqs=64, detokenize=True, **backend):
     model, adapters = setup
     engine = LLMEngine(EngineConfig(model=model, max_loras=3, block_size=BS, num_kv_blocks=num_kv_blocks,
                                     max_num_seqs=max_num_seqs, speculative=spec, enable_prefix_caching=caching,
-                                    debug_checks=True, **backend))
+                                    debug_checks=True, **backend), detokenize=detokenize)
     engine.add_adapter("a", adapters["a"])
     engine.add_adapter("b", adapters["b"])
     return engine
@@ -294,7 +294,7 @@ def test_the_async_engine_drops_a_versions_blocks_between_steps(setup):
             await asyncio.sleep(0.02)
         return cached, engine.engine.blocks.num_cached
 
-    engine = AsyncLLMEngine(EngineConfig(), engine=_engine(setup, True))
+    engine = AsyncLLMEngine(EngineConfig(), engine=_engine(setup, True, detokenize=False))
     try:
         cached, after = asyncio.run(scenario(engine))
     finally:

@@ -83,3 +83,12 @@ def test_base_requests_two_choices_and_kwargs_validated():
     assert choose(router, [], pending("x")) == []
     with pytest.raises(ValueError):
         make_router(saturation=0)
+
+
+def test_a_replica_whose_engine_died_gets_nothing_unless_none_is_left():
+    router = make_router()
+    dead = FakeReplica("d", routing_stats={"engine_alive": False, "device_adapters": ["x@1"], "reported_at": 1.0})
+    reps = [dead, FakeReplica("a"), FakeReplica("b")]
+    for key in ("x@1", ""):  # not even for the adapter it holds
+        assert "d" not in {r.uid for tier in choose(router, reps, pending(key)) for r in tier}
+    assert [r.uid for tier in choose(router, [dead], pending("")) for r in tier] == ["d"]

@@ -101,8 +101,7 @@ def test_server_runs_the_fast_speculative_path_at_the_engine_figure(workload, tm
     bench_engine = build_engine(model, adapters, max_loras=BATCH + 1, max_rank=RANK, max_graph_tokens=512)
     engine = AsyncLLMEngine(engine_cfg)
     server = LLMServer(cfg, engine, reg, "gpu-test", None)
-    prompts = _prompts(engine.engine.spec.vocab_size)
-    assert prompts == _prompts(bench_engine.spec.vocab_size)
+    prompts = _prompts(bench_engine.spec.vocab_size)  # the same model's
 
     async def alternate() -> tuple[list[float], list[float]]:
         await server.start()
@@ -119,7 +118,7 @@ def test_server_runs_the_fast_speculative_path_at_the_engine_figure(workload, tm
             await server.stop()
 
     served_runs, figures = asyncio.run(alternate())
-    stats = engine.engine.stats()
+    stats = engine.stats()
     engine.shutdown()
     reg.close()
     served, figure = statistics.median(served_runs), statistics.median(figures)
