@@ -95,7 +95,7 @@ def _prefix_cache_hit_rate(base_url: str) -> float | None:
 
 
 def run_one(router: str, replicas: int, n: int, concurrency: int, num_adapters: int, seed: int, port: int,
-            capacity: int, prefixes: int = 0) -> dict:
+            capacity: int, prefixes: int = 0, rate: float | None = None) -> dict:
     from ray import serve
 
     from deployments.application import bind_app
@@ -109,7 +109,7 @@ def run_one(router: str, replicas: int, n: int, concurrency: int, num_adapters: 
         base_url = f"http://127.0.0.1:{port}"
         mix = prefix_mix(adapters, n, prefixes, seed=seed) if prefixes else zipf_mix(adapters, n, seed=seed)
         t0 = time.perf_counter()
-        results = asyncio.run(send_mix(base_url, KEY, mix, concurrency=concurrency))
+        results = asyncio.run(send_mix(base_url, KEY, mix, concurrency=concurrency, rate=rate))
         out = {"router": router, "seconds": round(time.perf_counter() - t0, 1), **score(results)}
         if prefixes:
             time.sleep(2.0)  # the replicas' last reports reach the ingress's /metrics
@@ -131,6 +131,8 @@ def main() -> None:
     p.add_argument("--routers", default="affinity,ray_default",
                    help="of affinity, affinity_no_prefix, ray_default, ray_default_no_push")
     p.add_argument("--prefixes", type=int, default=0, help="system prompts per adapter (0: every prompt 'def ')")
+    p.add_argument("--rate", type=float, default=None,
+                   help="arrivals per second (at most --concurrency in flight); default: closed loop")
     a = p.parse_args()
 
     import ray
@@ -140,14 +142,15 @@ def main() -> None:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        runs = [run_one(r, a.replicas, a.requests, a.concurrency, a.adapters, a.seed, port, a.capacity, a.prefixes)
+        runs = [run_one(r, a.replicas, a.requests, a.concurrency, a.adapters, a.seed, port, a.capacity, a.prefixes,
+                        a.rate)
                 for r in a.routers.split(",")]
     finally:
         serve.shutdown()
         ray.shutdown()
     print(json.dumps({"benchmark": "adapter_affinity", "replicas": a.replicas, "requests": a.requests,
                       "concurrency": a.concurrency, "adapters": a.adapters, "capacity": a.capacity, "zipf_s": 1.1,
-                      "prefixes": a.prefixes,
+                      "prefixes": a.prefixes, "rate": a.rate,
                       "runs": runs}))
 
 

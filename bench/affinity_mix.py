@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter, defaultdict
-from typing import Iterable
+from typing import Iterable, Optional
 
 import httpx
 
@@ -33,18 +34,23 @@ def prefix_mix(adapters: list[str], n: int, prefixes: int, s: float = 1.1, seed:
 
 
 async def send_mix(base_url: str, key: str, mix: Iterable[str | tuple[str, str]], concurrency: int = 4,
-                   max_tokens: int = 2) -> list[dict]:
-    """POST one completion per entry (an adapter, prompt "def ", or an (adapter, prompt) pair);
+                   max_tokens: int = 2, rate: Optional[float] = None) -> list[dict]:
+    """POST one completion per entry (an adapter, prompt "def ", or an (adapter, prompt) pair), at most
+    `concurrency` at a time and, with `rate`, entry i no earlier than i / rate seconds after the first (the mix
+    then spans a wall time of its own, however fast the replicas answer);
     -> [{adapter, prefix, replica, hit, status}] in completion order (prefix: the prompt's first line)."""
     queue: asyncio.Queue = asyncio.Queue()
-    for adapter in mix:
-        queue.put_nowait(adapter)
+    for i, adapter in enumerate(mix):
+        queue.put_nowait((i, adapter))
     results: list[dict] = []
+    t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=base_url, timeout=120,
                                  headers={"Authorization": f"Bearer {key}"}) as http:
         async def worker() -> None:
             while not queue.empty():
-                entry = queue.get_nowait()
+                i, entry = queue.get_nowait()
+                if rate:
+                    await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
                 adapter, prompt = (entry, "def ") if isinstance(entry, str) else entry
                 r = await http.post("/v1/completions", json={"model": adapter, "prompt": prompt,
                                                              "max_tokens": max_tokens, "temperature": 0})

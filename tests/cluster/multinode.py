@@ -322,6 +322,7 @@ class Load:
     max_tokens: int = 24
     stream_timeout_s: float = 90.0  # a stream that has not ended by then counts as hung
     outcomes: list[Outcome] = field(default_factory=list)
+    in_flight: dict[int, Outcome] = field(default_factory=dict)  # id -> the outcome of a request not yet ended
 
     async def run(self) -> list[Outcome]:
         import httpx
@@ -338,11 +339,13 @@ class Load:
             while not queue.empty():
                 model, prompt, stream = queue.get_nowait()
                 out = Outcome(model, prompt, stream, "ok", started=time.monotonic())
+                self.in_flight[id(out)] = out
                 try:
                     await asyncio.wait_for(self._one(client, out), self.stream_timeout_s)
                 except asyncio.TimeoutError:
                     out.kind = "hung"
                 out.ended = time.monotonic()
+                del self.in_flight[id(out)]
                 self.outcomes.append(out)
 
         try:

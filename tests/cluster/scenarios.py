@@ -132,8 +132,13 @@ def node_loss(cluster, workers, url: str, cfg, keys: dict[str, str]) -> dict:
         watcher = threading.Thread(target=watch_rehome)
 
         async def kill_mid_run(load):
-            while len(load.outcomes) < 90:  # about a third of the way
-                await asyncio.sleep(0.05)
+            # about a third of the way, at a moment a stream on the victim has begun (its first token came): how
+            # fast the replicas answer must not decide whether the kill lands on a stream
+            while len(load.outcomes) < 90 or not any(
+                    o.stream and o.replica == victim_rid and o.tokens >= 1 for o in load.in_flight.values()):
+                if len(load.outcomes) >= 240:
+                    break  # none seen: the report's streams_on_lost_node_at_kill says so
+                await asyncio.sleep(0.01)
             marks["killed_at"] = time.monotonic()
             await asyncio.get_running_loop().run_in_executor(None, mn.kill_node, cluster, victim, [victim_pid])
             marks["removed_s"] = round(time.monotonic() - marks["killed_at"], 2)
