@@ -9,6 +9,10 @@ machine: its code is imported from DIR, only the profiling around its runs comes
 
     python bench/gpu_busy.py --out busy.json -- --shape llama-3.2-1b --modes base plain gated forced --runs burst burst
     python bench/gpu_busy.py --tree .ab/d515d84 --out busy-old.json -- --shape llama-3.2-1b --runs burst burst
+    python bench/gpu_busy.py --out busy-core.json -- --loop core --modes base plain gated --runs burst burst
+
+With `--loop core` the engine core runs in a process of its own, as an LLM replica runs it, and records its kernels
+there (AsyncLLMEngine.start_profile); `--loop served` is the same client with the core on a thread of this process.
 
 Everything after `--` goes to serve_load.py. Prints one JSON object (serve_load's, each measured run with `busy`
 added)."""
@@ -16,66 +20,18 @@ added)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import time
 
-
-def kernel_union_seconds(intervals: list[tuple[int, int]]) -> float:
-    """Total length of the union of [start, end) intervals in nanoseconds, in seconds."""
-    total, end = 0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total / 1e9
-
-
-GAP_EDGES_US = (5, 20, 100, 500, 2000)  # the idle-gap histogram's bucket edges
-
-
-def idle_gaps(intervals: list[tuple[int, int]]) -> dict:
-    """The device's idle gaps between the union's segments: per bucket of GAP_EDGES_US (the label is its upper
-    edge, "inf" past the last) the count and total ms. Where a run's idle time goes: many short gaps are launch
-    latency between kernels, long ones the device waiting for the host."""
-    edges = [*GAP_EDGES_US, float("inf")]
-    out = {str(e): {"count": 0, "ms": 0.0} for e in edges}
-    end = None
-    for start, stop in sorted(intervals):
-        if end is not None and start > end:
-            gap_us = (start - end) / 1e3
-            bucket = out[str(next(e for e in edges if gap_us <= e))]
-            bucket["count"] += 1
-            bucket["ms"] += gap_us / 1e3
-        end = stop if end is None else max(end, stop)
-    return {k: {"count": v["count"], "ms": round(v["ms"], 3)} for k, v in out.items()}
-
-
-def top_kernels(events: list[tuple[str, int, int]], n: int = 25) -> list[dict]:
-    """The n kernels with the most device time: name (cut to 80 characters), count, total and mean us."""
-    totals: dict[str, list[int]] = {}
-    for name, start, stop in events:
-        t = totals.setdefault(name[:80], [0, 0])
-        t[0] += 1
-        t[1] += stop - start
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
-    return [{"kernel": k, "count": c, "ms": round(ns / 1e6, 3), "mean_us": round(ns / c / 1e3, 2)}
-            for k, (c, ns) in rows]
-
-
-def _kernels(prof) -> list[tuple[str, int, int]]:
-    """(name, start, end) in ns of every CUDA kernel the profiler recorded (kineto's raw events: building the Python
-    function events of a long run would take longer than the run)."""
-    out = []
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type().name == "CUDA" and e.duration_ns() > 0 and "Memcpy" not in e.name() \
-                and "Memset" not in e.name():
-            out.append((e.name(), e.start_ns(), e.start_ns() + e.duration_ns()))
-    return out
+# The profiling code of this checkout, loaded by its path: `--tree` swaps the engine_ext package for another's
+_spec = importlib.util.spec_from_file_location(
+    "_gpu_busy_profiling", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_ext",
+                                        "profiling.py"))
+profiling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profiling)
 
 
 def profiled(replay, every: int, breakdown: bool = False):
@@ -83,11 +39,13 @@ def profiled(replay, every: int, breakdown: bool = False):
     time, steps and the engine's host time per step; every `every`-th measured run also under torch.profiler (CUDA
     kernels only), for the busy fraction. Profiling slows the host (a callback per launch), so a throughput is read
     from the runs not profiled. The first measured run first freezes the start-up heap, as an LLM replica does once
-    ready (deployments: AppConfig.gc_freeze), so that no full collection walks it during the runs."""
+    ready (deployments: AppConfig.gc_freeze), so that no full collection walks it during the runs.
+
+    An engine core in a process of its own (serve_load --loop core: `engine` is its AsyncLLMEngine) is profiled
+    where it runs (AsyncLLMEngine.start_profile): a profiler here would see none of its kernels."""
     import gc
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     results: list[dict] = []
 
@@ -100,31 +58,27 @@ def profiled(replay, every: int, breakdown: bool = False):
         torch.cuda.synchronize()
         before = engine.stats()
         profiling = (len(results) + 1) % every == 0
-        prof = profile(activities=[ProfilerActivity.CUDA]) if profiling else None
+        remote = hasattr(engine, "start_profile")  # the core's process launches the kernels
+        prof = None if not profiling else engine if remote else profiling.DeviceProfile()
         if prof is not None:
-            prof.__enter__()
+            prof.start_profile(breakdown) if remote else prof.start(breakdown)
         start = time.perf_counter()
         records = replay(engine, requests, *args, **kwargs)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        if prof is not None:
-            prof.__exit__(None, None, None)
+        summary = None if prof is None else prof.stop_profile() if remote else prof.stop()
         after = engine.stats()
         steps = max(1, after["num_steps"] - before["num_steps"])
         tokens = sum(len(r.token_ids) for r in records)
         row = {"profiled": profiling, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-               "steps": steps, "ms_per_step": round(seconds / steps * 1e3, 3)}
+               "steps": steps, "ms_per_step": round(seconds / steps * 1e3, 3), "core_process": remote}
         if "device_wait_s" in after:  # the host's own time per step: the rest is waiting for the device
             wait = after["device_wait_s"] - before["device_wait_s"]
             row["host_ms_per_step"] = round((seconds - wait) / steps * 1e3, 3)
-        if prof is not None:
-            events = _kernels(prof)
-            kernels = [(start, stop) for _, start, stop in events]
-            busy = kernel_union_seconds(kernels)
-            row |= {"busy_fraction": round(busy / seconds, 3), "kernel_seconds": round(busy, 3),
-                    "kernels": len(kernels)}
-            if breakdown:
-                row |= {"idle_gaps": idle_gaps(kernels), "top_kernels": top_kernels(events)}
+        if summary is not None:
+            busy = summary.pop("kernel_seconds")
+            summary.pop("device", None)
+            row |= {"busy_fraction": round(busy / seconds, 3), "kernel_seconds": round(busy, 3), **summary}
         results.append(row)
         return records
 

@@ -5,7 +5,8 @@ the previous ones finish, and each one's first-token and inter-token times are m
     python bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --spec 4   # the H200
     python bench/serve_load.py --shape llama-3.2-1b --spec 0 --compile-cache /tmp/empty           # cold start
     python bench/serve_load.py --modes base plain gated forced --mix near --runs poisson:30 burst  # modes compared
-    python bench/serve_load.py --loop served --runs burst    # through AsyncLLMEngine, as a replica serves
+    python bench/serve_load.py --loop served --runs burst    # through AsyncLLMEngine, its core on a thread
+    python bench/serve_load.py --loop core --runs burst      # ... its core in a process of its own, as a replica serves
 
 Every mode (`--modes`) serves every run's traffic: the same arrivals, lengths and adapters (for "base", the same
 requests on the base model alone). Prints one JSON object: the engine's start-up seconds, then per mode and run
@@ -176,16 +177,17 @@ def replay(engine, requests: list[Request], clock, params_for, max_steps: int | 
 
 def replay_served(engine, requests: list[Request], params_for) -> list[Record]:
     """`replay` through AsyncLLMEngine, as an LLM replica serves: each request an asyncio client that sends it at its
-    arrival and reads its stream, on the wall clock; the engine core's thread steps while outputs cross to the event
-    loop (the host work a replica adds to the step loop when its core shares the replica's process). The engine is
-    left open for the next run."""
+    arrival and reads its stream, on the wall clock. `engine`: an LLMEngine, driven by a core on a thread of this
+    process while outputs cross to the event loop (the host work a replica adds to the step loop when its core
+    shares the replica's process), or the AsyncLLMEngine of a core process. Either is left open for the next run."""
     import asyncio
 
     from engine_ext import AsyncLLMEngine
 
     records = {r.request_id: Record(r) for r in requests}
     clock = WallClock()
-    served = AsyncLLMEngine(engine.config, engine)
+    own = not isinstance(engine, AsyncLLMEngine)
+    served = AsyncLLMEngine(engine.config, engine) if own else engine
 
     async def client(r: Request) -> None:
         rec = records[r.request_id]
@@ -206,7 +208,8 @@ def replay_served(engine, requests: list[Request], params_for) -> list[Record]:
     try:
         asyncio.run(clients())
     finally:
-        served.shutdown(close_engine=False)
+        if own:
+            served.shutdown(close_engine=False)
     return [records[r.request_id] for r in requests]
 
 
@@ -474,8 +477,10 @@ def main() -> None:
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
-    ap.add_argument("--loop", choices=["step", "served"], default="step",
-                    help="drive engine.step() directly, or through AsyncLLMEngine with an asyncio client per request")
+    ap.add_argument("--loop", choices=["step", "served", "core"], default="step",
+                    help="drive engine.step() directly, or through AsyncLLMEngine with an asyncio client per request: "
+                         "its core on a thread of this process (served) or in a process of its own (core, as an LLM "
+                         "replica runs it)")
     ap.add_argument("--kernel-settings", type=json.loads, default={},
                     help="JSON object of engine_ext.KernelSettings fields (the Triton kernels' launch settings)")
     ap.add_argument("--gate-trace", action="store_true",
@@ -490,11 +495,13 @@ def main() -> None:
             ap.error(str(e))
     if args.spec <= 0 and any(parse_mode(m)[0] in ("gated", "forced") for m in modes):
         ap.error("gated and forced modes need --spec > 0")
+    if args.gate_trace and args.loop == "core":
+        ap.error("--gate-trace wraps the gate in this process: not with --loop core")
 
     import torch
 
     from bench.common import SHAPES, machine
-    from engine_ext import KernelSettings, LLMEngine, SamplingParams, SpecConfig
+    from engine_ext import AsyncLLMEngine, KernelSettings, LLMEngine, SamplingParams, SpecConfig
 
     gpu = args.device.startswith("cuda")
     if args.cpu_threads:
@@ -505,7 +512,10 @@ def main() -> None:
     cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
                         args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp, **kernels)
     before = _cache_entries(args.compile_cache)
-    engine = LLMEngine(cfg, detokenize=False)  # as an engine core runs it: its client detokenizes
+    if args.loop == "core":  # the engine built in the core's process; this one holds its client
+        engine = AsyncLLMEngine(dataclasses.replace(cfg, engine_process=True))
+    else:
+        engine = LLMEngine(cfg, detokenize=False)  # as an engine core runs it: its client detokenizes
     for n, p in adapters.items():
         engine.add_adapter(n, p)
     gc.collect()
@@ -541,7 +551,7 @@ def main() -> None:
         if args.warmup:
             warm = traffic_for(0, args.runs[0], mode, args.warmup)
             replay(engine, [dataclasses.replace(r, request_id="w" + r.request_id) for r in warm], WallClock(),
-                   params_for, served=args.loop == "served")
+                   params_for, served=args.loop != "step")
         for i, run_spec in enumerate(args.runs):
             requests = traffic_for(i, run_spec, mode, args.requests)
             run = {"run": run_spec, "mode": mode}
@@ -551,12 +561,12 @@ def main() -> None:
             try:
                 if trace is not None:
                     with trace:
-                        records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
+                        records = replay(engine, requests, WallClock(), params_for, served=args.loop != "step")
                     run["gate_trace"] = trace.summary()
                     run["pass_times_ms"] = GateTrace.table(engine)
                     run["step_times"] = trace.steps()
                 else:
-                    records = replay(engine, requests, WallClock(), params_for, served=args.loop == "served")
+                    records = replay(engine, requests, WallClock(), params_for, served=args.loop != "step")
                 run |= summarize(records, time.perf_counter() - start)
                 run["outputs"] = outputs_digest(records)
             except Exception as exc:  # a crash is the result: report it, with how far the run got
@@ -580,6 +590,8 @@ def main() -> None:
                 "acceptance", "compiled_while_serving", "cycles", "plain_steps")}), file=sys.stderr)
         if crashed:
             break
+    if args.loop == "core":
+        engine.shutdown()
     result["compare"] = compare(result["runs"])
     for row in result["compare"]:
         print("compare", json.dumps(row), file=sys.stderr)

@@ -19,9 +19,10 @@ from concurrent.futures import Future
 from dataclasses import asdict
 from typing import NamedTuple
 
-from .config import EngineConfig
+from .config import EngineConfig, SpecConfig
 from .core.messages import (Abort, AddAdapter, AddRequest, AdapterState, DropCachedPrefixes, Failed, GetStats,
-                            PinAdapter, RankHostEviction, Refused, RemoveAdapter, Reply, StepOutputs, error_of)
+                            PinAdapter, Profile, RankHostEviction, Refused, RemoveAdapter, Reply, SetSpeculation,
+                            StepOutputs, error_of)
 from .core.process_core import CoreLaunch, ProcessCore
 from .core.request_stream import RequestStream
 from .core.thread_core import ThreadCore
@@ -290,6 +291,20 @@ class AsyncLLMEngine:
     def stats(self) -> dict:
         """The engine's stats (LLMEngine.stats), and the core loop's counters under "core"."""
         return self._call(GetStats)
+
+    def set_speculation(self, spec: SpecConfig | None) -> None:
+        """LLMEngine.set_speculation in the core, between steps; only while no request is in flight (ValueError)."""
+        self._call(lambda call: SetSpeculation(call, None if spec is None else asdict(spec)))
+
+    def start_profile(self, breakdown: bool = False) -> None:
+        """Record the core's device activity from its next step (engine_ext.profiling.DeviceProfile, where the core
+        runs); ValueError if a recording runs."""
+        self._call(lambda call: Profile(call, "start", breakdown))
+
+    def stop_profile(self) -> dict:
+        """Stop the recording -> its summary: kernel_seconds (the union of the kernels' intervals), kernels,
+        span_seconds, device ("cuda" or "cpu"), and with `breakdown` idle_gaps and top_kernels."""
+        return self._call(lambda call: Profile(call, "stop", False))
 
     def shutdown(self, close_engine: bool = True) -> None:
         """Stop the core (`close_engine` False, in-process only: leave the engine usable, e.g. by another

@@ -25,8 +25,7 @@ def materialize_files(blobs: BlobStore, files: dict[str, FileEntry], dest: Path,
     expected = {n: f.model_dump() for n, f in files.items()}
     if _is_verified(dest, expected):
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
+    tmp = _temp_dir_beside(dest)
     try:
         for fname, entry in files.items():
             blobs.get(entry.sha256, tmp / fname)
@@ -47,6 +46,20 @@ def materialize_files(blobs: BlobStore, files: dict[str, FileEntry], dest: Path,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _temp_dir_beside(dest: Path, attempts: int = 5) -> Path:
+    """A new directory next to `dest`. Its parent (materialize_dir/NAME) may be removed between its mkdir and ours:
+    `Registry.drop_materialized` of another version removes it when empty. Once the directory is made, the parent
+    is not empty and stays."""
+    for attempt in range(attempts):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _is_verified(dest: Path, expected: dict[str, dict]) -> bool:

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple, Protocol
 
 from ..llm_engine import LLMEngine, StepContext
+from ..config import SpecConfig
 from ..output_processor import TokenDelta
+from ..profiling import DeviceProfile
 from ..sampling_params import SamplingParams
 from .eviction_order import HostEvictionOrder
 from .messages import (AddAdapter, AddRequest, AdapterState, Failed, Refused, RemoveAdapter, Reply, StepOutputs,
@@ -56,6 +58,7 @@ class EngineCore:
         self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-parse")
         self._stopped = False
         self.counters = CoreStats()
+        self._profile = DeviceProfile()
 
     # ------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -148,6 +151,21 @@ class EngineCore:
 
     def stats(self) -> dict:
         return self.engine.stats() | {"core": asdict(self.counters)}
+
+    def set_speculation(self, spec: dict | None) -> None:
+        """Between runs: requests in flight would change drafting mid-sequence (exact either way, but a benchmark's
+        modes would mix), so it is refused while the engine has any."""
+        if self.engine.has_unfinished_requests:
+            raise ValueError("set_speculation while requests are in flight: wait for them to finish")
+        self.engine.set_speculation(None if spec is None else SpecConfig(**spec))
+
+    def profile(self, action: str, breakdown: bool = False) -> dict | None:
+        if action == "start":
+            self._profile.start(breakdown)
+            return None
+        if action == "stop":
+            return self._profile.stop()
+        raise ValueError(f"profile action must be 'start' or 'stop', not {action!r}")
 
     def stop(self) -> None:
         self._stopped = True

@@ -88,6 +88,28 @@ class GetStats(NamedTuple):
         core.answer(self.call, core.stats)
 
 
+class SetSpeculation(NamedTuple):
+    """LLMEngine.set_speculation between steps: `spec` SpecConfig's fields, or None (plain decoding)."""
+
+    call: int
+    spec: dict | None
+
+    def apply(self, core) -> None:
+        core.answer(self.call, lambda: core.set_speculation(self.spec))
+
+
+class Profile(NamedTuple):
+    """Start recording the core's device activity ("start"), or stop and answer with its summary ("stop"):
+    engine_ext.profiling.DeviceProfile, in the process that launches the kernels."""
+
+    call: int
+    action: str
+    breakdown: bool
+
+    def apply(self, core) -> None:
+        core.answer(self.call, lambda: core.profile(self.action, self.breakdown))
+
+
 class Shutdown(NamedTuple):
     def apply(self, core) -> None:
         core.stop()
@@ -149,7 +171,7 @@ class AdapterState(NamedTuple):
 
 
 _KINDS = (AddRequest, Abort, AddAdapter, RemoveAdapter, PinAdapter, DropCachedPrefixes, RankHostEviction, GetStats,
-          Shutdown, Ready, StartFailed, StepOutputs, Refused, Failed, Reply, AdapterState)
+          SetSpeculation, Profile, Shutdown, Ready, StartFailed, StepOutputs, Refused, Failed, Reply, AdapterState)
 _TAGS = {kind: tag for tag, kind in enumerate(_KINDS)}
 
 

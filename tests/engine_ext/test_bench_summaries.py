@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.gpu_busy import idle_gaps, kernel_union_seconds, top_kernels  # noqa: E402
+from engine_ext.profiling import idle_gaps, kernel_union_seconds, top_kernels  # noqa: E402
 from bench.serve_load import mode_spec, parse_mode  # noqa: E402
 
 

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from engine_ext import AsyncLLMEngine, EngineConfig, EngineDeadError, ModelLoadError, SamplingParams
+from engine_ext import AsyncLLMEngine, EngineConfig, EngineDeadError, ModelLoadError, SamplingParams, SpecConfig
 from engine_ext.core.eviction_order import HostEvictionOrder
 from engine_ext.core.messages import (AddRequest, Refused, Reply, StepOutputs, decode, encode, error_of,
                                       wire_error)
 from engine_ext.errors import InvalidParameterError, PromptTooLongError
 from engine_ext.lora_adapter import AdapterError
-from tiny_models import build_model
+from tiny_models import build_adapter, build_model
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +150,50 @@ def test_a_core_that_cannot_start_raises_its_engines_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError):
         AsyncLLMEngine(EngineConfig(model=str(tmp_path), engine_process=True))
+
+
+async def _generate(engine, n: int, tokens: int, adapter: str | None = None) -> list[list[int]]:
+    async def one(i):
+        out = None
+        async for out in engine.generate(prompt_token_ids=[i + 1, 2, 3], sampling_params=SamplingParams(
+                max_tokens=tokens, ignore_eos=True), adapter_name=adapter):
+            pass
+        return list(out.token_ids)
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_speculation_set_and_device_profiled_where_the_core_runs(model, tmp_path, one_torch_thread, engine_process):
+    """SetSpeculation and Profile through either core: drafting switched on and off between runs (outputs exact
+    either way), and the core's own operators recorded (a profiler in this process sees none of a core process's)."""
+    engine = AsyncLLMEngine(EngineConfig(model=model, num_kv_blocks=256, max_model_len=256, speculative=SpecConfig(2),
+                                         engine_process=engine_process))
+    try:
+        engine.add_adapter("a", build_adapter(model, str(tmp_path / "a"), seed=3, r=8))
+        assert "speculative" in engine.stats()  # EngineConfig.speculative: drafting on at start
+        engine.set_speculation(None)
+        assert "speculative" not in engine.stats()
+        plain = asyncio.run(_generate(engine, 3, 8, "a"))
+        engine.set_speculation(SpecConfig(num_draft_tokens=2, gate=False))
+        engine.start_profile(breakdown=True)
+        with pytest.raises(ValueError, match="already"):
+            engine.start_profile()
+        drafted = asyncio.run(_generate(engine, 3, 8, "a"))
+        profile = engine.stop_profile()
+        assert drafted == plain
+        spec = engine.stats()["speculative"]
+        assert spec["cycles"] > spec["plain_steps"]  # forced: every step a cycle but the prompts' 
+        assert profile["device"] == "cpu" and profile["kernels"] > 0
+        assert 0 < profile["kernel_seconds"] <= profile["span_seconds"] + 1e-6
+        assert {"idle_gaps", "top_kernels"} <= set(profile)
+        assert any("linear" in k["kernel"] or "mm" in k["kernel"] for k in profile["top_kernels"])
+        with pytest.raises(ValueError, match="no profile"):
+            engine.stop_profile()
+        with pytest.raises(ValueError, match="exceeds"):  # the drafting room the engine was built with
+            engine.set_speculation(SpecConfig(num_draft_tokens=5))
+        engine.set_speculation(None)
+        assert "speculative" not in engine.stats()
+        assert asyncio.run(_generate(engine, 3, 8, "a")) == plain
+    finally:
+        engine.shutdown()

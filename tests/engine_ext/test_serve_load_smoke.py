@@ -39,9 +39,10 @@ def test_every_mode_serves_the_same_traffic_and_drafting_is_lossless(tmp_path):
         assert row[key] > 0, key
 
 
-def test_the_served_loop_replays_the_same_traffic_to_the_same_outputs(tmp_path):
-    """`--loop served` (AsyncLLMEngine, an asyncio client per request, as a replica serves) decodes what the step
-    loop does on the same traffic, every request to its end."""
+def test_the_served_loops_replay_the_same_traffic_to_the_same_outputs(tmp_path):
+    """`--loop served` and `--loop core` (AsyncLLMEngine, an asyncio client per request; its core on a thread, or in
+    a process of its own as a replica runs it, the modes switched there) decode what the step loop does on the same
+    traffic, every request to its end."""
     def run(loop: str) -> dict:
         cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--device", "cpu", "--shape", "tiny",
                "--adapters", "4", "--max-loras", "2", "--rank", "8", "--requests", "12", "--runs", "burst",
@@ -51,10 +52,15 @@ def test_the_served_loop_replays_the_same_traffic_to_the_same_outputs(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout)
 
-    step, served = run("step"), run("served")
-    assert served["loop"] == "served" and step["loop"] == "step"
-    for mode in ("plain", "forced"):
-        s = next(r for r in served["runs"] if r["mode"] == mode)
-        assert "crash" not in s and s["finished"] == 12 and s["free_kv_blocks_after"], s
-        assert s["ttft_ms"]["p50"] is not None and s["tokens_per_s"] > 0
-        assert s["outputs"] == next(r for r in step["runs"] if r["mode"] == mode)["outputs"]
+    step = run("step")
+    assert step["loop"] == "step"
+    for loop in ("served", "core"):
+        served = run(loop)
+        assert served["loop"] == loop
+        for mode in ("plain", "forced"):
+            s = next(r for r in served["runs"] if r["mode"] == mode)
+            assert "crash" not in s and s["finished"] == 12 and s["free_kv_blocks_after"], (loop, s)
+            assert s["ttft_ms"]["p50"] is not None and s["tokens_per_s"] > 0
+            assert s["outputs"] == next(r for r in step["runs"] if r["mode"] == mode)["outputs"], loop
+        forced = next(r for r in served["runs"] if r["mode"] == "forced")
+        assert forced["cycles"] > 0, (loop, forced)  # the mode was switched in the core

@@ -126,3 +126,24 @@ def test_stale_uploads_are_removed_when_a_new_upload_starts(make_registry, tmp_p
                    headers=ADMIN | {"X-Content-SHA256": hashlib.sha256(body).hexdigest()})
     assert r.status_code == 200 and r.json()["files"] == {"adapter_config.json": hashlib.sha256(body).hexdigest()}
     assert not stale.exists() and fresh.exists()
+
+
+def test_materialize_survives_the_empty_name_directory_being_dropped_under_it(reg0, stage, monkeypatch):
+    """A replica's change feed drops other versions' copies (drop_materialized removes materialize_dir/NAME when it is
+    empty) while a request materializes this one: the drop lands between materialize's mkdir of NAME and its temp
+    directory's, and the copy is made all the same."""
+    import registry.materialize as materialize
+
+    a = stage("a")
+    rec = reg0.register("d", str(a), sha_map(a), BASE, activate=True)
+    real_mkdtemp, drops = materialize.tempfile.mkdtemp, []
+
+    def mkdtemp_after_a_drop(**kwargs):
+        if not drops:  # once: the change feed's drop of the versions not kept, at the worst moment
+            drops.append(reg0.drop_materialized("d", keep={2}))
+        return real_mkdtemp(**kwargs)
+
+    monkeypatch.setattr(materialize.tempfile, "mkdtemp", mkdtemp_after_a_drop)
+    path = reg0.materialize(rec)
+    assert drops == [[]]  # nothing to drop but the empty directory, which went
+    assert path.is_dir() and (path / "adapter_model.safetensors").is_file()
