@@ -111,6 +111,7 @@ def quick_recipe(seed: int = 1234) -> Recipe:
     tiny_train = TrainRecipe(steps=3, batch_size=2, seq_len=64, lr=3e-3, warmup=1)
     return Recipe(
         seed=seed,
+        threads=1,  # tiny matrices: a second thread only waits at barriers, and tests run builds side by side
         model=ModelRecipe(vocab_size=512, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
         corpus=CorpusRecipe(base_chars=120_000, domain_chars=30_000, tokenizer_chars=100_000),

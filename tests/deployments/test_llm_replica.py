@@ -175,8 +175,8 @@ def test_report_carries_every_adapters_speculative_counters(env):
     keys, report = asyncio.run(scenario())
     spec = report["speculative"]
     assert spec["cycles"] + spec["plain_steps"] > 0 and sum(spec["gate_decisions"].values()) > 0
-    for key in keys:
+    for key in keys:  # whether the gate drafted for each is its cost decision (timing): the counters are there
         a = report["adapters"][key]
-        assert a["drafted_tokens"] > 0 and 0 <= a["accepted_tokens"] <= a["drafted_tokens"], a
-        assert a["acceptance_rate"] is not None and a["tokens"] > 0
+        assert 0 <= a["accepted_tokens"] <= a["drafted_tokens"] and a["tokens"] > 0, a
+        assert (a["acceptance_rate"] is not None) == (a["drafted_tokens"] > 0), a
     assert report["seq"] >= 1
