@@ -163,10 +163,8 @@ class Fp8Weights:
     def prepare(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """A dense projection weight -> its W8 and scales (quantized over whole rows, before a tensor-parallel rank
         slices them, so every rank holds the one-rank model's values); anything else passes as it is."""
-        if LINEAR_WEIGHT.match(name) is None or tensor.dtype == FP8_DTYPE or not tensor.is_floating_point():
-            yield name, tensor
-            return
-        if tensor.element_size() == 1:  # another 8-bit float (e5m2, e4m3fnuz): refused by name in part()
+        # stored quantized (e4m3; int8, e5m2 and other 8-bit formats are refused by name in part()) or not a weight
+        if LINEAR_WEIGHT.match(name) is None or not tensor.is_floating_point() or tensor.element_size() == 1:
             yield name, tensor
             return
         try:
