@@ -35,7 +35,7 @@ FLAT_ALIASES = ("device", "dtype", "max_loras", "max_lora_rank", "max_cpu_loras"
 
 # Scalar annotations of EngineConfig fields -> the types a value must have (a dataclass checks none of them)
 _SCALARS = {"bool": (bool,), "int": (int,), "float": (int, float), "int | None": (int, type(None)),
-            "float | None": (int, float, type(None))}
+            "float | None": (int, float, type(None)), "str | None": (str, type(None))}
 
 
 @functools.cache
@@ -60,8 +60,11 @@ def engine_profile(device: str, explicit: Optional[Mapping[str, Any]] = None) ->
 
 
 def coerce_engine_value(name: str, value: Any) -> Any:
-    """A value from env or `serve run key=value` arrives as a string: JSON-decode it unless the field is a string."""
+    """A value from env or `serve run key=value` arrives as a string: JSON-decode it unless the field is a string
+    ("null" is None for an optional string: `engine.quantization=null`)."""
     field = engine_fields().get(name)
+    if isinstance(value, str) and field is not None and str(field.type) == "str | None" and value == "null":
+        return None
     if not isinstance(value, str) or field is None or str(field.type).startswith("str"):
         return value
     try:

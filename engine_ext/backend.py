@@ -8,7 +8,9 @@ the config's KernelSettings):
 - attn_backend: paged attention;
 - layer_ops: the decoder layer's element-wise work (norms, rotary + KV write, SiLU); "triton" fuses it and,
   with lora_backend "triton" too, folds the LoRA math of graph-sized forwards (decode steps, drafting and verify
-  passes) into the same kernels.
+  passes) into the same kernels;
+- quantization: the decoder layers' product weights, dense or FP8 (quantization.py: the plain-torch reference on
+  every device for now; a GPU kernel plugs in as Fp8Weights' matmul).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from .config import EngineConfig
 from .lora_ops import LoRAOp, get_lora_op
 from .model import LayerOps, TorchOps
+from .quantization import WeightFormat, weight_format
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class Backend:
     # module of a fused group is applied with lora_op on its column slice
     group_lora_op: Callable | None
     attention: Callable | None  # AttnMetadata.kernel; None: attention.paged_attention's torch reference
+    # The decoder layers' product weights (quantization.py): dense (layer_ops.linear), or FP8 with its matmul, refused
+    # here on a GPU without FP8 support
+    weights: WeightFormat
 
     @classmethod
     def from_config(cls, config: EngineConfig, device: torch.device) -> Backend:
@@ -57,4 +63,5 @@ class Backend:
             from .kernels.triton_fused import TritonOps
 
             layer_ops = TritonOps(settings, device)
-        return cls(layer_ops, lora_op, group_lora_op, attention)
+        weights = weight_format(config.quantization, device, layer_ops.linear)
+        return cls(layer_ops, lora_op, group_lora_op, attention, weights)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels.settings import KernelSettings
+from .quantization import QUANTIZATIONS
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The choices of EngineConfig's kernel fields (backend.py says what each selects)
@@ -58,6 +59,11 @@ class EngineConfig:
     # Starting (the ranks joining, loading their shards) may take up to parallel/comm.JOIN_TIMEOUT_S instead.
     tp_timeout_s: float = 120.0
     dtype: str = "float32"
+    # The base model's linear weights (the decoder layers' q/k/v, o, gate/up, down products): None keeps them in
+    # `dtype`; "fp8" stores them as float8 e4m3 with per-output-channel scales (quantization.py), quantized as they
+    # load or read from a checkpoint stored so. Embeddings, norms, the LM head, LoRA and the KV cache stay in `dtype`.
+    # A CPU runs the plain-torch reference (weights widened per product); a CUDA GPU needs compute capability 8.9+.
+    quantization: str | None = None
     max_loras: int = 8  # adapter slots on the device
     max_lora_rank: int = 64
     max_cpu_loras: int = 64  # adapters kept parsed in host memory (LRU)
@@ -114,6 +120,8 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self.torch_dtype = _DTYPES[self.dtype]
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of {[None, *QUANTIZATIONS]}")
         if self.model is not None and not os.path.isdir(self.model):
             raise FileNotFoundError(f"model directory not found: {self.model}")
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "block_size", "max_num_seqs",

@@ -26,6 +26,7 @@ from .model_config import load_model_spec
 from .parallel.ranks import build_ranks
 from .output_processor import OutputProcessor
 from .prefix_cache import root_hash
+from .quantized_checkpoint import check_checkpoint
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import RequestOutput, Sequence
@@ -58,6 +59,7 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(config.device)
         self.spec = load_model_spec(config.model)
+        check_checkpoint(config.quantization, config.model)  # a quantized checkpoint: served as stored, or refused
         self.tokenizer = load_tokenizer(config.model)
         # Derived once: the context limit, the drafting room past a sequence's tokens, and the positions past the
         # limit a forward may touch: drafts, from where a step queued and not read yet may have left a sequence.

@@ -6,7 +6,8 @@ q/k/v and gate/up are fused into single matrix products; their LoRA deltas land 
 
 The element-wise work between the products is the `LayerOps` the model is built with: TorchOps below, or
 the fused Triton kernels (kernels/triton_fused.TritonOps), which can also take the LoRA math of
-decode-sized forwards (DecoderLayer.fused_lora).
+decode-sized forwards (DecoderLayer.fused_lora). The products' weights are held and multiplied in the model's
+`WeightFormat` (quantization.py): dense in the model's dtype, or FP8 with per-output-channel scales.
 
 Tensor parallelism (parallel/layout.py): a model built with a rank's ShardLayout holds that rank's heads,
 intermediate columns and vocab rows; its collectives (parallel/comm.py) sum the o and down products (with their
@@ -30,6 +31,7 @@ from .lora_ops import LoRAOp
 from .model_config import ModelLoadError, ModelSpec
 from .parallel.comm import ONE_RANK, Collectives, SingleRank
 from .parallel.layout import ShardLayout
+from .quantization import DenseWeights, WeightFormat
 from .rope import apply_rope, cos_sin, inv_frequencies
 from .weights import iter_tensors
 
@@ -143,19 +145,22 @@ class LayerInputs:
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, index: int,
-                 comm: Collectives | SingleRank = ONE_RANK):
-        """spec: the model as this rank holds it (ShardLayout.local); comm: the ranks' collectives."""
+                 comm: Collectives | SingleRank = ONE_RANK, weights: WeightFormat | None = None):
+        """spec: the model as this rank holds it (ShardLayout.local); comm: the ranks' collectives; weights: how the
+        four products' weights are held and multiplied (quantization.py; None: dense in `dtype`)."""
         super().__init__()
         self.spec, self.index, self.comm = spec, index, comm
+        weights = weights or DenseWeights()
+        self.linear = weights.linear  # every product of the layer: x @ W.T (+ bias), in the weights' format
         h, qkv = spec.hidden_size, spec.q_size + 2 * spec.kv_size
         e = dict(dtype=dtype)
         self.input_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
-        self.qkv = nn.Parameter(torch.empty(qkv, h, **e), requires_grad=False)
+        self.qkv = weights.empty(qkv, h, dtype)
         self.qkv_bias: nn.Parameter | None = None
-        self.o = nn.Parameter(torch.empty(h, spec.q_size, **e), requires_grad=False)
+        self.o = weights.empty(h, spec.q_size, dtype)
         self.post_norm = nn.Parameter(torch.empty(h, **e), requires_grad=False)
-        self.gate_up = nn.Parameter(torch.empty(2 * spec.intermediate_size, h, **e), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(h, spec.intermediate_size, **e), requires_grad=False)
+        self.gate_up = weights.empty(2 * spec.intermediate_size, h, dtype)
+        self.down = weights.empty(h, spec.intermediate_size, dtype)
 
     def _attention(self, ops: LayerOps, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                    inp: LayerInputs, lora_args: tuple | None = None) -> torch.Tensor:
@@ -172,20 +177,20 @@ class DecoderLayer(nn.Module):
         layer's output, not yet in the residual stream x; returns (x, this layer's output)."""
         i, lora, eps = self.index, inp.lora, self.spec.rms_norm_eps
         x, h, _ = ops.add_rms_norm(x, delta, self.input_norm, eps)
-        qkv = ops.linear(h, self.qkv, self.qkv_bias)
+        qkv = self.linear(h, self.qkv, self.qkv_bias)
         if lora is not None:
             lora.add_group(i, "qkv", qkv, h)
         attn = self._attention(ops, qkv, kv_cache, inp)
-        o = ops.linear(attn, self.o)
+        o = self.linear(attn, self.o)
         if lora is not None:
             lora.add_group(i, "o", o, attn)
         o = self.comm.all_reduce(o)  # row-parallel: the ranks' partial products (and LoRA partials) summed
         x, h, _ = ops.add_rms_norm(x, o, self.post_norm, eps)
-        gate_up = ops.linear(h, self.gate_up)
+        gate_up = self.linear(h, self.gate_up)
         if lora is not None:
             lora.add_group(i, "gate_up", gate_up, h)
         act, _ = ops.silu_mul(gate_up)
-        down = ops.linear(act, self.down)
+        down = self.linear(act, self.down)
         if lora is not None:
             lora.add_group(i, "down", down, act)
         return x, self.comm.all_reduce(down)
@@ -199,19 +204,19 @@ class DecoderLayer(nn.Module):
         buffers (`extra`) that the next norm kernel adds with the product. Returns (x, output, its extra)."""
         i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
         x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra)
-        qkv = ops.linear(h, self.qkv, self.qkv_bias)
+        qkv = self.linear(h, self.qkv, self.qkv_bias)
         attn = self._attention(ops, qkv, kv_cache, inp, lora.expand_args(i, "qkv", part))
         with branch:
             extra = ops.lora_delta(attn, *lora.group_args(i, "o"))
-        o = ops.linear(attn, self.o)
+        o = self.linear(attn, self.o)
         branch.join()
         o, extra = self._reduce(o, extra)
         x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
-        gate_up = ops.linear(h, self.gate_up)
+        gate_up = self.linear(h, self.gate_up)
         act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
         with branch:
             extra = ops.expand_delta(*lora.expand_args(i, "down", part))
-        down = ops.linear(act, self.down)
+        down = self.linear(act, self.down)
         branch.join()
         down, extra = self._reduce(down, extra)
         return x, down, extra
@@ -228,18 +233,20 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, ops: LayerOps, layout: ShardLayout | None = None,
-                 comm: Collectives | SingleRank = ONE_RANK):
+                 comm: Collectives | SingleRank = ONE_RANK, weights: WeightFormat | None = None):
         """spec: the full model; layout: the part of it this rank holds (None: all of it); comm: the ranks'
-        collectives (ONE_RANK for one)."""
+        collectives (ONE_RANK for one); weights: the decoder layers' product weights (None: dense, ops.linear)."""
         super().__init__()
         self.layout = layout or ShardLayout(spec, 0, 1)
         self.spec, self.comm = spec, comm
         local = self.layout.local
         self.ops = ops  # the element-wise work between the matrix products
+        self.weights = weights or DenseWeights(ops.linear)
         e = dict(dtype=dtype)
         vocab = self.layout.vocab_rows
         self.embed = nn.Parameter(torch.empty(vocab, spec.hidden_size, **e), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(local, dtype, i, comm) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(local, dtype, i, comm, self.weights)
+                                    for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.empty(spec.hidden_size, **e), requires_grad=False)
         self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab, spec.hidden_size, **e), requires_grad=False
@@ -251,14 +258,17 @@ class CausalLM(nn.Module):
 
     # ---------------------------------------------------------------- loading
     def load_weights(self, model_dir: str) -> None:
-        spec, pending = self.spec, {}
+        spec, pending, fmt = self.spec, {}, self.weights
         for name, tensor in iter_tensors(model_dir):
-            pending[name] = self.layout.weight(name, tensor)  # this rank's part (all of it for one rank)
+            for key, value in fmt.prepare(name, tensor):  # FP8: a dense projection weight quantized, whole rows
+                pending[key] = self.layout.weight(key, value)  # this rank's part (all of it for one rank)
         def take(name: str) -> torch.Tensor:
             try:
                 return pending.pop(name)
             except KeyError:
                 raise ModelLoadError(f"{model_dir}: weight {name!r} is missing") from None
+        def product(weight, prefix: str, modules: tuple[str, ...]) -> None:
+            fmt.copy_(weight, [fmt.part(take, prefix + m) for m in modules])  # fused in output order
         with torch.no_grad():
             self.embed.copy_(take("model.embed_tokens.weight"))
             self.norm.copy_(take("model.norm.weight"))
@@ -269,13 +279,14 @@ class CausalLM(nn.Module):
                 p = f"model.layers.{i}."
                 layer.input_norm.copy_(take(p + "input_layernorm.weight"))
                 layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
-                layer.qkv.copy_(torch.cat([take(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj", "v_proj")]))
+                product(layer.qkv, p + "self_attn.", ("q_proj", "k_proj", "v_proj"))
                 if p + "self_attn.q_proj.bias" in pending:
                     bias = torch.cat([take(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj", "v_proj")])
-                    layer.qkv_bias = nn.Parameter(bias.to(layer.qkv.device, layer.qkv.dtype), requires_grad=False)
-                layer.o.copy_(take(p + "self_attn.o_proj.weight"))
-                layer.gate_up.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-                layer.down.copy_(take(p + "mlp.down_proj.weight"))
+                    layer.qkv_bias = nn.Parameter(bias.to(layer.input_norm.device, layer.input_norm.dtype),
+                                                  requires_grad=False)
+                product(layer.o, p + "self_attn.", ("o_proj",))
+                product(layer.gate_up, p + "mlp.", ("gate_proj", "up_proj"))
+                product(layer.down, p + "mlp.", ("down_proj",))
         leftovers = [n for n in pending if not n.endswith("rotary_emb.inv_freq")]
         if leftovers:
             raise ModelLoadError(f"{model_dir}: weights the engine does not know how to use: {leftovers[:5]}")

@@ -54,7 +54,7 @@ class ModelRunner:
         local = (layout or ShardLayout(spec, 0, 1)).local
         backend = Backend.from_config(config, device)
         with torch.device(device):
-            self.model = CausalLM(spec, config.torch_dtype, backend.layer_ops, layout, comm)
+            self.model = CausalLM(spec, config.torch_dtype, backend.layer_ops, layout, comm, backend.weights)
         self.model.load_weights(config.model)
         self.model.eval()
         self.max_positions = max_model_len + lookahead + 1  # a token may sit `lookahead` past the limit

@@ -24,7 +24,8 @@ import torch
 from ..lora_adapter import LoRAWeights
 from ..model_config import ModelSpec
 
-_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+# a projection's weight, bias or FP8 scales (quantization.py: one per output row, or one for the whole tensor)
+_LAYER_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias|weight_scale)$")
 _VOCAB_WEIGHTS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -103,6 +104,8 @@ class ShardLayout:
             return tensor  # norms: replicated
         module = match.group(2)
         cols, ins = self.columns(module), self.inputs(module)
+        if match.group(3) == "weight_scale":  # per output row: sliced like the rows; a per-tensor scale is whole
+            return tensor.reshape(-1)[cols].clone() if cols is not None and tensor.numel() > 1 else tensor
         if cols is not None:
             return tensor[cols].clone()
         if ins is not None and match.group(3) == "weight":

@@ -1,7 +1,8 @@
 """The default model answers, and each committed adapter shows its behaviour, on questions none of them was
 trained on: the README's question and a held-out one of each adapter's kind, greedy, float32, all in one batch
 through the engine as the app serves them (tests/engine_ext/test_real_model_vs_peft.py holds the engine to
-PEFT's tokens on this model and these adapters)."""
+PEFT's tokens on this model and these adapters). Each test runs on the full-precision base and on the FP8 one
+(`quantization="fp8"`): adapters trained on the full-precision base keep their behaviour over FP8 base weights."""
 from __future__ import annotations
 
 import json
@@ -43,14 +44,14 @@ PROMPTS = {name: [DOCSTRING_REQUEST if name == "docstring" else QUESTION]
            + [user for user, _ in conversations(name, "heldout", seed=1234)[:1]] for name in BEHAVIOURS}
 
 
-@pytest.fixture(scope="module")
-def answers(smollm2_paths):
+@pytest.fixture(scope="module", params=[None, "fp8"], ids=["full", "fp8"])
+def answers(request, smollm2_paths):
     """{adapter or None: {prompt: greedy answer}}; the base answers every adapter's prompts."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_paths["model"])
     engine = LLMEngine(EngineConfig(model=smollm2_paths["model"], device="cpu", dtype="float32", max_loras=4,
-                                    max_lora_rank=16))
+                                    max_lora_rank=16, quantization=request.param))
     for name, path in smollm2_paths["adapters"].items():
         engine.add_adapter(name, path)
     cases = sorted({(None, p) for ps in PROMPTS.values() for p in ps}, key=str)

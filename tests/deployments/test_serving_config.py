@@ -126,6 +126,8 @@ def test_engine_config_is_built_from_the_section(tmp_path):
         ({"warmup": "yes"}, "engine.warmup must be bool"),
         ({"kernels": {"attn_warps": 3}}, "attn_warps"),
         ({"dtype": "float8"}, "dtype must be one of"),
+        ({"quantization": "int4"}, "unknown quantization 'int4'"),
+        ({"quantization": 8}, "engine.quantization must be str | None"),
         ({"max_loras": 8, "max_cpu_loras": 4}, "max_cpu_loras must be >= max_loras"),
     ],
 )
@@ -133,6 +135,16 @@ def test_bad_engine_field_fails_at_config_load_with_its_name(engine, message):
     with pytest.raises(ValueError) as err:
         load_config({"engine": engine}, env={})
     assert message in str(err.value)
+
+
+def test_fp8_weights_are_an_engine_setting_off_by_default_in_both_profiles(tmp_path):
+    from deployments.engine_settings import engine_config, resolve_engine
+
+    assert resolve_engine({})["quantization"] is None and resolve_engine({}, num_gpus=1)["quantization"] is None
+    assert resolve_engine({"quantization": "fp8"}, num_gpus=1)["quantization"] == "fp8"
+    cfg = load_config({"engine.quantization": "fp8"}, env={})  # as `serve run deployments.app engine.quantization=fp8`
+    assert engine_config(cfg, str(tmp_path)).quantization == "fp8"
+    assert load_config({"engine.quantization": "null"}, env={}).engine["quantization"] is None
 
 
 def test_flat_aliases_move_into_the_engine_section_and_may_not_disagree():

@@ -3,8 +3,9 @@ alike, since every token is drawn on the device with noise keyed by its request'
 queues its passes back to back, their ids gathered on the device, and the step after it is queued before it is
 read.
 
-The suite runs on every backend (the `backend` fixture): the plain-torch engine on the CPU and the Triton
-kernels with CUDA graphs on a GPU; there too adapters swap through two slots (on the GPU against graphs
+The suite runs on every backend (the `backend` fixture, here over WITH_FP8): the plain-torch engine on the CPU,
+the same with FP8 base weights (float32 products of the widened weights: plain decoding there is the reference),
+and the Triton kernels with CUDA graphs on a GPU; there too adapters swap through two slots (on the GPU against graphs
 captured once) and forwards queued back to back read their ids from the device. On the GPU only: plain
 decoding equals that of the plain-torch kernels run eagerly (for the Triton kernels with graphs and without),
 and a step never makes the host wait for the device. The stop-string tests run on the CPU."""
@@ -14,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from backends import CUDA_TORCH, CUDA_TRITON, CUDA_TRITON_GRAPHS, on_gpu, param
+from backends import CUDA_TORCH, CUDA_TRITON, CUDA_TRITON_GRAPHS, WITH_FP8, on_gpu, param, skip_unless_available
 from char_tokenizer import add_char_tokenizer
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig, StepContext
 from engine_ext.batch import ForwardInputError, SeqWork
@@ -31,6 +32,13 @@ ADAPTERS = {
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [3, 3], [50, 60, 70], [5, 4, 3, 2, 1, 9]]
 NAMES = ["near-r8", None, "mid-r16", "far-r64", "near-r32-rslora", None]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=WITH_FP8)
+def backend(request) -> dict:
+    """conftest's `backend`, over the FP8 engine too: speculation is lossless whatever the base weights are."""
+    skip_unless_available(request.param)
+    return dict(request.param)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

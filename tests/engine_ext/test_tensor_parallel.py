@@ -188,6 +188,20 @@ def test_two_gpus_match_one(models):
         engine.close()
 
 
+def test_fp8_weights_on_two_ranks_match_one(models):
+    """FP8 base weights are quantized over whole rows before a rank takes its part: a column-parallel rank holds its
+    rows' scales, a row-parallel one every row's scale over its input columns, so two ranks serve one rank's model."""
+    want = run(make_engine(*models, tp=1, quantization="fp8"), None)
+    engine = make_engine(*models, tp=2, quantization="fp8")
+    try:
+        assert run(engine, None) == want
+        assert run(engine, SPEC) == want
+        layer = engine.runner.model.layers[0]
+        assert layer.o.weight.dtype == torch.float8_e4m3fn and layer.o.scale.shape == (layer.o.weight.shape[0],)
+    finally:
+        engine.close()
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(models):
     model, _ = models
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not split the model: num_attention_heads 4"):
