@@ -11,7 +11,6 @@ out real adapter versions on SmolLM2 (a second app, minutes of decoding)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from tests.deployments.serve_harness import ADMIN, APP_NAME, LOAD_KEY
+from tests.deployments.rollout_kit import rollout_calls
 
 NAME = "roll"
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:", "for i in range(10):"]
@@ -31,6 +31,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN}"}
 POLICY = {"window_requests": 4, "window_s": 0, "min_stable_requests": 4, "step_timeout_s": 240,
           "thresholds": {"min_drafted_tokens": 8, "ttft_p50_ratio": 4, "ttft_p99_ratio": 8, "tpot_p50_ratio": 4,
                          "tpot_p99_ratio": 8, "latency_slack_s": 0.5}}
+_status, _start, _wait, _audit = rollout_calls(NAME, AUTH, POLICY, start_timeout_s=120, wait_timeout_s=180)
 
 
 def _variant(src: Path, dst: Path, scale: float) -> Path:
@@ -67,17 +68,8 @@ def rollout_app(serve_app):
     return serve_app, client, model
 
 
-def _status(base: str) -> dict:
-    r = httpx.get(f"{base}/admin/v1/adapters/{NAME}/rollout", headers=AUTH, timeout=30)
-    r.raise_for_status()
-    return r.json()
 
 
-def _start(base: str, version: int, **policy) -> dict:
-    r = httpx.post(f"{base}/admin/v1/adapters/{NAME}/rollout", headers=AUTH, timeout=120,
-                   json={"version": version, "policy": {**POLICY, **policy}})
-    assert r.status_code == 201, r.text
-    return r.json()
 
 
 class Traffic:
@@ -107,19 +99,8 @@ class Traffic:
         self._pool.shutdown(wait=True)
 
 
-def _wait(base: str, done, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = _status(base)
-        if done(status):
-            return status
-        time.sleep(0.3)
-    raise AssertionError(f"rollout did not get there in {timeout_s} s: {json.dumps(status)[:3000]}")
 
 
-def _audit(base: str) -> list[dict]:
-    r = httpx.get(f"{base}/admin/v1/audit", headers=AUTH, params={"name": NAME, "order": "oldest", "limit": 1000})
-    return r.json()
 
 
 def _controller():

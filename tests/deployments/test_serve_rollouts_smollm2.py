@@ -23,7 +23,6 @@ import json
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import pytest
 
 from registry.canary_analysis import CHECKS
 from tests.deployments import serve_harness
+from tests.deployments.rollout_kit import rollout_calls
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +49,7 @@ POLICY = {"steps": [0.5, 0.6], "window_requests": WINDOW, "window_s": 0, "min_st
           "step_timeout_s": 300,
           "thresholds": {"ttft_p50_ratio": 4, "ttft_p99_ratio": 8, "tpot_p50_ratio": 4, "tpot_p99_ratio": 8,
                          "latency_slack_s": 1.0}}
+_status, _start, _wait, _audit = rollout_calls(NAME, AUTH, POLICY, start_timeout_s=300, wait_timeout_s=300)
 THREADS = 8
 
 
@@ -152,32 +153,12 @@ class Traffic:
         self._pool.shutdown(wait=True)
 
 
-def _status(url: str) -> dict:
-    r = httpx.get(f"{url}/admin/v1/adapters/{NAME}/rollout", headers=AUTH, timeout=30)
-    r.raise_for_status()
-    return r.json()
 
 
-def _start(url: str, version: int, **policy) -> None:
-    r = httpx.post(f"{url}/admin/v1/adapters/{NAME}/rollout", headers=AUTH, timeout=300,
-                   json={"version": version, "policy": {**POLICY, **policy}})
-    assert r.status_code == 201, r.text
 
 
-def _wait(url: str, done, timeout_s: float = 300) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = _status(url)
-        if done(status):
-            return status
-        time.sleep(0.3)
-    raise AssertionError(f"rollout did not get there in {timeout_s} s: {json.dumps(status)[:3000]}")
 
 
-def _audit(url: str) -> list[dict]:
-    r = httpx.get(f"{url}/admin/v1/audit", headers=AUTH, params={"name": NAME, "order": "oldest", "limit": 1000})
-    r.raise_for_status()
-    return r.json()
 
 
 def _rollout_entries(url: str) -> list[dict]:
