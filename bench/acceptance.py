@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine  # noqa: E402
+from bench.common import commit, machine  # noqa: E402
 from demo import ensure_smollm2  # noqa: E402
 from demo.smollm2.data import conversations  # noqa: E402
 from demo.smollm2.samples import chat_ids  # noqa: E402
@@ -218,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(paths["model"])
     prompts = prompts_by_adapter(tok, list(paths["adapters"]), args.prompts)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    result = {"bench": "acceptance", "commit": commit, "machine": machine(), "threads": args.threads,
+    result = {"bench": "acceptance", "commit": commit(), "machine": machine(), "threads": args.threads,
               "prompts_per_adapter": args.prompts,
               "max_tokens": args.max_tokens, "engine": {}, "ablation": None}
     plain = {}

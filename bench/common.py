@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import time
 
 import torch
@@ -155,6 +156,12 @@ def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores (torch {torch.__version__})"
+
+
+def commit() -> str:
+    """The checkout's short commit id (empty outside a git checkout): what a benchmark's JSON says it measured."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
 
 
 def replay_ms(graph, iters: int = 20) -> float:

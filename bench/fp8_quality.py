@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, machine  # noqa: E402
+from bench.common import SHAPES, commit, machine  # noqa: E402
 from demo import ensure_smollm2  # noqa: E402
 from demo.smollm2.data import conversations  # noqa: E402
 from demo.smollm2.samples import chat_ids  # noqa: E402
@@ -213,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(paths["model"])
     prompts = prompt_sets(tok, list(paths["adapters"]), args.prompts)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    result = {"bench": "fp8_quality", "commit": commit, "machine": machine(), "threads": args.threads,
+    result = {"bench": "fp8_quality", "commit": commit(), "machine": machine(), "threads": args.threads,
               "prompts_per_model": args.prompts, "max_tokens": args.max_tokens, "k": args.k,
               "variants": args.variants, "agreement": {}, "acceptance": {}, "seconds": {},
               "memory": {"smollm2_linear_bytes": {}, "shapes": {s: shape_memory(s)
