@@ -30,8 +30,8 @@ import time
 _spec = importlib.util.spec_from_file_location(
     "_gpu_busy_profiling", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_ext",
                                         "profiling.py"))
-profiling = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(profiling)
+device_profiling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(device_profiling)
 
 
 def profiled(replay, every: int, breakdown: bool = False):
@@ -58,15 +58,15 @@ def profiled(replay, every: int, breakdown: bool = False):
         torch.cuda.synchronize()
         before = engine.stats()
         profiling = (len(results) + 1) % every == 0
-        remote = hasattr(engine, "start_profile")  # the core's process launches the kernels
-        prof = None if not profiling else engine if remote else profiling.DeviceProfile()
-        if prof is not None:
-            prof.start_profile(breakdown) if remote else prof.start(breakdown)
+        remote = hasattr(engine, "start_profile")  # an engine core process: it launches the kernels, it records them
+        local = None if remote or not profiling else device_profiling.DeviceProfile()
+        if profiling:
+            (engine.start_profile if remote else local.start)(breakdown)
         start = time.perf_counter()
         records = replay(engine, requests, *args, **kwargs)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        summary = None if prof is None else prof.stop_profile() if remote else prof.stop()
+        summary = None if not profiling else engine.stop_profile() if remote else local.stop()
         after = engine.stats()
         steps = max(1, after["num_steps"] - before["num_steps"])
         tokens = sum(len(r.token_ids) for r in records)
