@@ -123,9 +123,12 @@ def test_a_consumer_behind_the_engine_gets_the_outputs_it_missed_as_one(paths, a
         chunks = []
         async for out in aengine.generate(prompt_token_ids=[3, 1, 4], sampling_params=params, adapter_name="a"):
             chunks.append(out)
-            if len(chunks) == 1:
-                while aengine.stats()["num_running"] or aengine.stats()["num_waiting"]:  # it runs to the end
+            if len(chunks) == 1:  # it runs to the end; the outputs the core sent before its last answer are
+                while True:  # handed to this loop ahead of that answer, and reach the stream on the loop's next turn
+                    stats = aengine.stats()
                     await asyncio.sleep(0.01)
+                    if not (stats["num_running"] or stats["num_waiting"]):
+                        break
         return chunks
 
     chunks = asyncio.run(main())
