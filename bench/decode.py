@@ -226,8 +226,9 @@ def activate(engine, names: list[str]) -> None:
 
 
 def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_rank: int, max_graph_tokens: int,
-                 kernels: KernelSettings | None = None, tp: int = 1):
+                 kernels: KernelSettings | None = None, tp: int = 1, quantization: str | None = None):
     cfg = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", tensor_parallel_size=tp,
+                       quantization=quantization,
                        max_loras=max_loras, max_lora_rank=max_rank,
                        max_cpu_loras=max(64, len(adapters) + 1), kv_cache_memory_gb=24, max_num_seqs=128,
                        max_num_batched_tokens=8192, max_model_len=2048, lora_backend="triton", attn_backend="triton",
@@ -305,6 +306,8 @@ def main() -> None:
                          '(engine_ext.KernelSettings fields), e.g. \'{"attn_block_n": 64}\'')
     ap.add_argument("--workdir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
+    ap.add_argument("--quantization", nargs="+", choices=["none", "fp8"], default=["none"],
+                    help="the base weights' formats, each measured in turn in this run (EngineConfig.quantization)")
     ap.add_argument("--out")
     args = ap.parse_args()
     kernels = KernelSettings.from_dict(args.kernel_settings)
@@ -322,7 +325,7 @@ def main() -> None:
         model_dir = build_model_on_gpu(os.path.join(args.workdir, shape + ("-peaked" if args.peaked else "")), shape,
                                        residual_scale=0.001 if args.peaked else 1.0)
         print(f"[{shape}] model dir in {time.perf_counter() - t0:.0f} s", flush=True)
-        for rank in args.ranks:
+        for quant, rank in [(q, r) for q in args.quantization for r in args.ranks]:
             max_distinct = max(args.adapters) if rank <= 16 else min(max(args.adapters), args.max_adapters_r64)
             far = build_random_adapter(os.path.join(args.workdir, f"{shape}-r{rank}"), shape, rank, seed=rank)
             adapters = {f"a{i}": far for i in range(max_distinct)}
@@ -341,8 +344,9 @@ def main() -> None:
             t0 = time.perf_counter()
             engine = build_engine(model_dir, adapters, max_loras=max(max_distinct, 32),
                                   max_rank=max(rank, args.slot_rank or rank),
-                                  max_graph_tokens=max(args.batches) * (MAX_K + 1), kernels=kernels, tp=args.tp)
-            print(f"[{shape} r{rank}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
+                                  max_graph_tokens=max(args.batches) * (MAX_K + 1), kernels=kernels, tp=args.tp,
+                                  quantization=None if quant == "none" else quant)
+            print(f"[{shape} r{rank} {quant}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
             try:
                 run_shape_rank(engine, shape, rank, max_distinct, args, results, dump)
             except Exception as e:  # keep what was measured; the error goes into the JSON
@@ -365,7 +369,8 @@ def main() -> None:
 
 
 def run_shape_rank(engine, shape, rank, max_distinct, args, results, dump) -> None:
-    tag = dict(shape=shape, rank=rank, slot_rank=engine.config.max_lora_rank)
+    tag = dict(shape=shape, rank=rank, slot_rank=engine.config.max_lora_rank,
+               quantization=engine.config.quantization or "none")
     if "load" in args.sections:
         results.setdefault("load", []).append(dict(tag, **cold_load(engine, args.workdir, shape, rank)))
         print(json.dumps(results["load"][-1]), flush=True)
@@ -395,7 +400,7 @@ def forward_points(engine, tag, max_distinct, args, results) -> None:
                        **point, **bm, bw_fraction=bm["bytes_model_ms"] / point["gpu_ms"],
                        tokens_per_s_gpu=batch / point["gpu_ms"] * 1e3)
             results["forward"].append(rec)
-            print(json.dumps({k: rec[k] for k in ("shape", "rank", "mode", "batch", "adapters", "gpu_ms", "step_ms",
+            print(json.dumps({k: rec[k] for k in ("shape", "quantization", "rank", "mode", "batch", "adapters", "gpu_ms", "step_ms",
                                                   "bytes_model_ms", "bw_fraction")}), flush=True)
     # ---- forward level: verify passes (k+1 tokens a sequence, adapters on), one distinct adapter a sequence (up to
     # 32), at each batch; the plain step of the same batch and adapters is the "plain" point above
@@ -409,7 +414,7 @@ def forward_points(engine, tag, max_distinct, args, results) -> None:
             results["forward"].append(dict(tag, mode=f"verify_k{k}", batch=batch, adapters=distinct,
                                            tokens=batch * (k + 1), **point, **bm,
                                            bw_fraction=bm["bytes_model_ms"] / point["gpu_ms"]))
-            print(f"batch {batch} verify k={k}: gpu {point['gpu_ms']:.3f} ms, step {point['step_ms']:.3f} ms",
+            print(f"{tag['quantization']} batch {batch} verify k={k}: gpu {point['gpu_ms']:.3f} ms, step {point['step_ms']:.3f} ms",
                   flush=True)
 
 

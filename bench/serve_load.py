@@ -477,6 +477,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default=os.environ.get("BENCH_DIR") or tempfile.gettempdir())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (GPUs per engine)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="EngineConfig.quantization (base weights)")
     ap.add_argument("--loop", choices=["step", "served", "core"], default="step",
                     help="drive engine.step() directly, or through AsyncLLMEngine with an asyncio client per request: "
                          "its core on a thread of this process (served) or in a process of its own (core, as an LLM "
@@ -510,7 +511,8 @@ def main() -> None:
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
     kernels = {"kernels": KernelSettings.from_dict(args.kernel_settings)} if args.kernel_settings else {}
     cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
-                        args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp, **kernels)
+                        args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp,
+                        quantization=args.quantization, **kernels)
     before = _cache_entries(args.compile_cache)
     if args.loop == "core":  # the engine built in the core's process; this one holds its client
         engine = AsyncLLMEngine(dataclasses.replace(cfg, engine_process=True))
@@ -524,6 +526,7 @@ def main() -> None:
     startup = engine.stats()["startup"]
     print("startup", json.dumps(startup), "cache entries", before, "->", ready_entries, file=sys.stderr)
     result = {"machine": machine(), "kernel_settings": args.kernel_settings, "loop": args.loop, "shape": args.shape,
+              "quantization": args.quantization,
               "tp": args.tp, "spec": args.spec,
               "draft_lead": args.draft_lead, "modes": modes, "mix": args.mix,
               "adapters": args.adapters, "max_loras": args.max_loras, "rank": args.rank,

@@ -9,8 +9,8 @@ the config's KernelSettings):
 - layer_ops: the decoder layer's element-wise work (norms, rotary + KV write, SiLU); "triton" fuses it and,
   with lora_backend "triton" too, folds the LoRA math of graph-sized forwards (decode steps, drafting and verify
   passes) into the same kernels;
-- quantization: the decoder layers' product weights, dense or FP8 (quantization.py: the plain-torch reference on
-  every device for now; a GPU kernel plugs in as Fp8Weights' matmul).
+- quantization: the decoder layers' product weights, dense or FP8 (quantization.py); FP8 products run the W8A16
+  GEMM of kernels/triton_fp8.py with layer_ops "triton", else the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -63,5 +63,10 @@ class Backend:
             from .kernels.triton_fused import TritonOps
 
             layer_ops = TritonOps(settings, device)
-        weights = weight_format(config.quantization, device, layer_ops.linear)
+        fp8_matmul = None
+        if config.quantization == "fp8" and config.layer_ops == "triton":
+            from .kernels.triton_fp8 import fp8_linear_triton
+
+            fp8_matmul = partial(fp8_linear_triton, settings=settings)
+        weights = weight_format(config.quantization, device, layer_ops.linear, fp8_matmul)
         return cls(layer_ops, lora_op, group_lora_op, attention, weights)

@@ -10,8 +10,8 @@ Embeddings, norms, the LM head, the LoRA A/B stacks and the KV cache stay in the
 
 The model calls its `WeightFormat` for every layer product (`DecoderLayer` holds the format's weight objects and its
 `linear`), so a kernel plugs in at one place: `Fp8Weights(matmul=...)`, where `matmul(x, w8, scale, bias)` has the
-contract of `fp8_linear` below, the plain-torch reference every device runs (a W8A16 Triton GEMM or
-`torch._scaled_mm` registers beside it). The reference turns the FP8 bytes into the activations' dtype for each
+contract of `fp8_linear` below, the plain-torch reference (CPUs, and GPUs without the Triton layer ops); on a GPU
+the engine's Triton layer ops bring a W8A16 GEMM (kernels/triton_fp8.py). The reference turns the FP8 bytes into the activations' dtype for each
 product (nothing cached: the weights stay at one byte a parameter) and multiplies in that dtype.
 """
 
@@ -151,11 +151,12 @@ class Fp8Weights:
         self.matmul = matmul
 
     @classmethod
-    def for_device(cls, device: torch.device, capability: tuple[int, int] | None = None) -> Fp8Weights:
-        """The format on `device`, refused (ValueError) on a GPU without FP8 support. Every device runs the
-        reference matmul until a GPU kernel registers here."""
+    def for_device(cls, device: torch.device, capability: tuple[int, int] | None = None,
+                   matmul: Callable | None = None) -> Fp8Weights:
+        """The format on `device`, refused (ValueError) on a GPU without FP8 support. matmul: the device's kernel
+        (kernels.triton_fp8.fp8_linear_triton on a GPU with the Triton layer ops), else the reference."""
         check_fp8_device(device, capability)
-        return cls(fp8_linear)
+        return cls(matmul or fp8_linear)
 
     def empty(self, out_features: int, in_features: int, dtype: torch.dtype) -> Fp8Linear:
         return Fp8Linear(out_features, in_features)
@@ -196,10 +197,12 @@ class Fp8Weights:
         return self.matmul(x, weight.weight, weight.scale, bias)
 
 
-def weight_format(quantization: str | None, device: torch.device, linear: Callable = F.linear) -> WeightFormat:
-    """The format an engine's config asks for on `device` (linear: the layer ops' dense product)."""
+def weight_format(quantization: str | None, device: torch.device, linear: Callable = F.linear,
+                  fp8_matmul: Callable | None = None) -> WeightFormat:
+    """The format an engine's config asks for on `device` (linear: the layer ops' dense product; fp8_matmul: the FP8
+    product's kernel, None for the reference)."""
     if quantization is None:
         return DenseWeights(linear)
     if quantization == "fp8":
-        return Fp8Weights.for_device(device)
+        return Fp8Weights.for_device(device, matmul=fp8_matmul)
     raise ValueError(f"unknown quantization {quantization!r}; choose one of {[None, *QUANTIZATIONS]}")

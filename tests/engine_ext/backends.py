@@ -14,6 +14,7 @@ CUDA_TORCH = dict(device="cuda")
 CUDA_TRITON = dict(device="cuda", lora_backend="triton", attn_backend="triton", layer_ops="triton")  # the kernels, eager
 CUDA_TRITON_GRAPHS = dict(CUDA_TRITON, cuda_graphs=True, max_graph_tokens=64)  # the serving configuration
 CPU_FP8 = dict(quantization="fp8")  # FP8 base weights through the plain-torch reference (engine_ext/quantization.py)
+CUDA_FP8 = dict(CUDA_TRITON_GRAPHS, quantization="fp8")  # FP8 base weights through the W8A16 GEMM (kernels/triton_fp8.py)
 
 
 def on_gpu(backend: dict) -> bool:
@@ -27,7 +28,7 @@ def param(backend: dict, id: str):
 
 BACKENDS = [param(CPU_TORCH, "cpu-torch"), param(CUDA_TRITON_GRAPHS, "cuda-triton-graphs")]
 # For suites whose claim must hold whatever the base weights are (speculation is lossless): BACKENDS and the FP8 engine
-WITH_FP8 = BACKENDS + [param(CPU_FP8, "cpu-fp8")]
+WITH_FP8 = BACKENDS + [param(CPU_FP8, "cpu-fp8"), param(CUDA_FP8, "cuda-fp8-graphs")]
 
 
 def skip_unless_available(backend: dict) -> None:

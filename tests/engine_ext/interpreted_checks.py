@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine|fp8
 """
 
 from __future__ import annotations
@@ -285,6 +285,53 @@ def engine():
     used.clear()
     assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "attn_rows_multi": 0}, **kernels) == ref
     assert not used  # every adapter-on forward of a forced cycle has several tokens of a sequence: none folded
+
+def fp8():
+    """The W8A16 GEMM against quantization.fp8_linear: decode-sized and prompt-sized products, ragged N and K, a bias,
+    a strided x, launch settings; then a tiny FP8 model through the engine with the Triton layer ops (the GEMM in
+    every product) against the FP8 engine on the plain-torch ops."""
+    from tiny_models import build_adapter, build_model
+
+    from engine_ext import EngineConfig, LLMEngine, SamplingParams
+    from engine_ext.kernels import KernelSettings
+    from engine_ext.kernels.triton_fp8 import fp8_linear_triton, launch_config
+    from engine_ext.quantization import fp8_linear, quantize_fp8
+
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, bias in [(1, 48, 64, False), (5, 200, 300, True), (17, 64, 256, False), (40, 96, 80, True),
+                          (70, 130, 96, False)]:
+        w8, scale = quantize_fp8(torch.randn(n, k, generator=g))
+        b = torch.randn(n, generator=g) if bias else None
+        x = torch.randn(m, k + 8, generator=g)[:, 3:k + 3]  # rows strided past their length
+        ref = fp8_linear(x, w8, scale, b)
+        _close(fp8_linear_triton(x, w8, scale, b), ref)
+        narrow = KernelSettings(fp8_block_k=32, fp8_block_n=16, fp8_stages=1, fp8_warps=1)
+        _close(fp8_linear_triton(x, w8, scale, b, settings=narrow), ref)
+    x3 = torch.randn(2, 3, 64, generator=g)
+    w8, scale = quantize_fp8(torch.randn(32, 64, generator=g))
+    _close(fp8_linear_triton(x3, w8, scale), fp8_linear(x3, w8, scale))
+    assert fp8_linear_triton(x3[:0], w8, scale).shape == (0, 3, 32)
+    # the column tile narrows until the programs fill the chip, and is the setting's when it sets one
+    assert launch_config(1, 4096, 4096)[1] == 16 and launch_config(1, 131072, 4096)[1] == 128
+    assert launch_config(1, 4096, 4096, KernelSettings(fp8_block_n=64))[1] == 64
+    assert launch_config(1000, 4096, 4096)[0] > 16
+
+    root = tempfile.mkdtemp()
+    model = build_model("llama", root + "/m")
+    adapter = build_adapter(model, root + "/a", seed=1, r=8, std=0.03)
+
+    def run(**kw):
+        e = LLMEngine(EngineConfig(model=model, max_loras=2, block_size=4, num_kv_blocks=64, quantization="fp8", **kw))
+        e.add_adapter("a", adapter)
+        outs = e.generate(prompt_token_ids=[[1, 2, 3, 4, 5], [7, 8, 9]], adapter_names=["a", None],
+                          sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))
+        return e, [o.token_ids for o in outs]
+
+    _, ref = run()
+    engine, out = run(lora_backend="triton", attn_backend="triton", layer_ops="triton")
+    assert out == ref
+    assert engine.runner.model.layers[0].linear.__self__.matmul.func is fp8_linear_triton
+
 
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
