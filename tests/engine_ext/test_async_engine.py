@@ -256,12 +256,15 @@ def test_a_prompt_computed_in_a_drafting_pass_streams_its_first_token_before_the
         return [out async for out in stream]
 
     async def main():
+        # as long as the model's context allows (256), so it is still decoding when the new request reaches the core
+        # (a core in its own process decodes on while this loop waits for the CPU); aborted once the new one is done
         background = engine.generate(prompt_token_ids=[1, 2], adapter_name="a", request_id="bg",
-                                     sampling_params=SamplingParams(max_tokens=80, ignore_eos=True))
+                                     sampling_params=SamplingParams(max_tokens=250, ignore_eos=True))
         await background.__anext__()  # it decodes: every step from now on is a 4-pass cycle
         chunks = await collect(engine.generate(prompt_token_ids=[4, 5, 6], adapter_name="a", request_id="new",
                                                sampling_params=params))
-        await collect(background)
+        await engine.abort("bg")
+        assert (await collect(background))[-1].finish_reason == "abort"  # it was still decoding throughout
         return chunks
 
     try:
