@@ -18,6 +18,12 @@ pack() { tar -czf "$RESULT/gpu-run.tgz" -C "$OUT" . ; }
 # pytest-xdist, where installed, runs the GPU suite in 4 workers (most of its time is Triton compiling)
 XDIST=""
 python3 -c "import xdist" 2>/dev/null && XDIST="-n ${TESTS_WORKERS:-4} --dist ${TESTS_DIST:-worksteal}"
+# Python packages the device image lacks (pyzmq, for the engine core in its own process), carried as wheels in
+# $WHEELS_DIR (default .whl: see /work/.library/device/README.md, Notes, for fetching cp312 manylinux wheels)
+if ! python3 -c "import zmq" 2>/dev/null && ls ${WHEELS_DIR:-.whl}/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site ${WHEELS_DIR:-.whl}/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export BENCH_DIR=${BENCH_DIR:-/tmp/b} PYTHONUNBUFFERED=1
 mkdir -p "$BENCH_DIR"
 STEPS=${STEPS-tests forward gate}
@@ -152,6 +158,16 @@ for step in $STEPS; do
       timeout 200 python3 -m pytest tests/engine_ext/test_tensor_parallel.py -q -p no:cacheprovider \
         >"$OUT/tp_tests.log" 2>&1
       echo "tp tests rc $?: $(tail -1 "$OUT/tp_tests.log")" ;;
+    fp8)  # issue 40: the W8A16 GEMM alone against cuBLAS bf16 and _scaled_mm (with a launch-settings sweep), then the
+      # decode forward at 8B and 1B with bf16 and FP8 base weights in one run (FP8_SHAPES), adapters off and on
+      timeout ${FP8_GEMM_TIMEOUT:-150} python3 bench/fp8_gemm.py ${FP8_SWEEP---sweep} --out "$OUT/fp8_gemm.json" \
+        >"$OUT/fp8_gemm.log" 2>&1
+      echo "fp8 gemm rc $?"; grep sweep_best "$OUT/fp8_gemm.log" | cut -c1-400
+      pack
+      timeout ${FP8_FORWARD_TIMEOUT:-300} python3 bench/decode.py --shapes ${FP8_SHAPES:-llama-3.1-8b llama-3.2-1b} \
+        --ranks 16 --batches 1 32 --adapters 0 32 --sections forward --quantization none fp8 --iters 20 \
+        --kernel-settings "$KERNEL_SETTINGS" --out "$OUT/forward_fp8.json" 2>&1 | quiet >"$OUT/forward_fp8.log"
+      echo "fp8 forward rc $?" ;;
     8b)  # the 8B shape, base and plain
       timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
         --sections forward --kernel-settings "$KERNEL_SETTINGS" \
@@ -181,14 +197,15 @@ done
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for name in ("forward.json", "forward_8b.json", "gate.json", "gate16_hf.json", "gate256.json",
+for name in ("forward.json", "forward_8b.json", "forward_fp8.json", "gate.json", "gate16_hf.json", "gate256.json",
              "gate16_256.json"):
     path = os.path.join(out, name)
     if not os.path.exists(path):
         continue
     d = json.load(open(path))
     for r in d.get("forward", []):
-        print(name, r["mode"], "b", r["batch"], "a", r["adapters"], "gpu_ms %.3f" % r["gpu_ms"],
+        print(name, r.get("shape", ""), r.get("quantization", ""), r["mode"], "b", r["batch"], "a", r["adapters"],
+              "gpu_ms %.3f" % r["gpu_ms"],
               "bytes_ms %.3f" % r["bytes_model_ms"], "bw %.1f%%" % (100 * r["bw_fraction"]))
     for r in d.get("load", []):
         print(name, "load r%d" % r["rank"], "load/h2d %.2f" % r["load_over_h2d"],
