@@ -25,11 +25,12 @@ from engine_ext.kernels import KernelSettings  # noqa: E402
 from engine_ext.quantization import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_fp8  # noqa: E402
 
 TOKENS = [1, 8, 32, 64, 160, 512, 2048]
-SWEEP_TOKENS = [1, 32]
+SWEEP_TOKENS = [1, 32, 160]  # decode at batch 1 and 32, a verify pass of 5 tokens a sequence at batch 32
 SWEEP_SHAPE = "llama-3.1-8b"
-SWEEP = ([dict(fp8_block_k=bk, fp8_stages=st, fp8_warps=4, fp8_block_n=bn)
-          for bk in (128, 256, 512) for st in (3, 5) for bn in (0, 32)]
-         + [dict(fp8_block_k=256, fp8_stages=4, fp8_warps=w, fp8_block_n=0) for w in (2, 4, 8)])
+# The sweep changes one launch setting at a time from the defaults, then times the best value of each together
+SWEEP_VALUES = {"fp8_block_n": (64, 256), "fp8_block_k": (64, 256), "fp8_programs": (132, 528, 1056),
+                "fp8_split_steps": (1, 2, 8), "fp8_stages": (2, 3, 6), "fp8_warps": (2, 8)}
+SWEEP = [{}] + [{name: v} for name, values in SWEEP_VALUES.items() for v in values]
 
 
 def products(shape: str) -> dict[str, tuple[int, int]]:
@@ -52,6 +53,37 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / s).to(FP8_DTYPE), s
 
 
+def sweep_settings(cases, sweep: list[dict]) -> dict:
+    """Each SWEEP variant's total time over the cases (name, tokens, x, w8, scale), then the best value of each
+    setting together; appends a row per case and variant to `sweep` and returns the summary."""
+    from engine_ext.kernels.triton_fp8 import fp8_linear_triton
+
+    def total(values: dict) -> float:
+        settings = KernelSettings(**values)
+        out = 0.0
+        for name, m, x, w8, scale in cases:
+            try:
+                ms = timed(lambda: fp8_linear_triton(x, w8, scale, settings=settings))
+            except Exception as e:  # a tile the chip cannot hold
+                print("sweep", values, repr(e)[:200], flush=True)
+                ms = float("inf")
+            sweep.append(dict(product=name, tokens=m, ms=ms, **values))
+            out += ms
+        print("sweep", json.dumps(values), "%.4f ms" % out, flush=True)
+        return out
+
+    totals = {json.dumps(v): total(v) for v in SWEEP}
+    best = {}
+    for name, values in SWEEP_VALUES.items():  # each setting's value with the least total, the default's included
+        options = [(totals["{}"], None)] + [(totals[json.dumps({name: v})], v) for v in values]
+        if min(options, key=lambda o: o[0])[1] is not None:
+            best[name] = min(options, key=lambda o: o[0])[1]
+    if best:
+        totals[json.dumps(best)] = total(best)
+    return {"sweep_best": sorted(totals.items(), key=lambda kv: kv[1])[:8], "sweep_default_ms": totals["{}"],
+            "sweep_combined": best}
+
+
 def main() -> None:
     from engine_ext.kernels.triton_fp8 import fp8_linear_triton, launch_config
 
@@ -59,10 +91,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-scaled-mm", action="store_true", help="time only the bf16 product and the W8A16 GEMM")
     ap.add_argument("--out")
     args = ap.parse_args()
     dev = "cuda"
-    rows, sweep = [], []
+    rows, sweep, cases = [], [], []
     for shape in args.shapes:
         for name, (n, k) in products(shape).items():
             g = torch.Generator(dev).manual_seed(n + k)
@@ -79,39 +112,26 @@ def main() -> None:
                 row = dict(shape=shape, product=name, tokens=m, out=n, inn=k, bf16_ms=bf16_ms, fp8_ms=fp8_ms,
                            speedup=bf16_ms / fp8_ms, fp8_gbs=n * k / fp8_ms / 1e6, bf16_gbs=2 * n * k / bf16_ms / 1e6,
                            rel_err=err, config=launch_config(m, n, k))
-                try:
-                    xq, xs = quantize_rows(x)
-                    ws = scale[None, :].contiguous()
-                    mm = lambda: torch._scaled_mm(xq, w8t, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)  # noqa: E731
-                    row["scaled_mm_ms"] = timed(mm)
+                if not args.no_scaled_mm:
+                    try:
+                        xq, xs = quantize_rows(x)
+                        ws = scale[None, :].contiguous()
+                        mm = lambda: torch._scaled_mm(xq, w8t, scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)  # noqa: E731
+                        row["scaled_mm_ms"] = timed(mm)
 
-                    def quantized_mm():  # the activations quantized each call, as a step would
-                        q, qs = quantize_rows(x)
-                        return torch._scaled_mm(q, w8t, scale_a=qs, scale_b=ws, out_dtype=torch.bfloat16)
+                        def quantized_mm():  # the activations quantized each call, as a step would
+                            q, qs = quantize_rows(x)
+                            return torch._scaled_mm(q, w8t, scale_a=qs, scale_b=ws, out_dtype=torch.bfloat16)
 
-                    row["scaled_mm_quant_ms"] = timed(quantized_mm)
-                    row["scaled_mm_rel_err"] = ((mm().double() - ref.double()).norm() / ref.double().norm()).item()
-                except Exception as e:  # shapes or scalings this torch's _scaled_mm refuses
-                    row["scaled_mm_error"] = repr(e)[:200]
+                        row["scaled_mm_quant_ms"] = timed(quantized_mm)
+                        row["scaled_mm_rel_err"] = ((mm().double() - ref.double()).norm() / ref.double().norm()).item()
+                    except Exception as e:  # shapes or scalings this torch's _scaled_mm refuses
+                        row["scaled_mm_error"] = repr(e)[:200]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.sweep and m in SWEEP_TOKENS and shape == SWEEP_SHAPE:
-                    for values in SWEEP:
-                        settings = KernelSettings(**values)
-                        try:
-                            ms = timed(lambda: fp8_linear_triton(x, w8, scale, settings=settings))
-                        except Exception as e:  # a tile the chip cannot hold
-                            print("sweep", values, repr(e)[:200], flush=True)
-                            ms = float("inf")
-                        sweep.append(dict(shape=shape, product=name, tokens=m, ms=ms, **values))
-    summary = {}
-    if sweep:  # each setting's total time over every swept product, best first
-        totals: dict[str, float] = {}
-        for r in sweep:
-            key = json.dumps({k: r[k] for k in SWEEP[0]})
-            totals[key] = totals.get(key, 0.0) + r["ms"]
-        default = json.dumps({k: getattr(KernelSettings(), k) for k in SWEEP[0]})
-        summary = {"sweep_best": sorted(totals.items(), key=lambda kv: kv[1])[:8], "sweep_default_ms": totals.get(default)}
+                    cases.append((name, m, x, w8, scale))
+    summary = sweep_settings(cases, sweep) if cases else {}
     out = {"machine": machine(), "commit": commit(), "rows": rows, "sweep": sweep, **summary}
     print(json.dumps(summary))
     if args.out:

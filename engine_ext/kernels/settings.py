@@ -72,12 +72,13 @@ class KernelSettings:
     shrink_warps: int = 2
     expand_warps: int = 4
     expand_block_n: int = 0  # the expand's column tile; 0: from the rank
-    # ---- the FP8 weights' W8A16 GEMM (triton_fp8.py), decode-sized products (up to 64 tokens): K columns per inner
-    # step, column tile (0: the widest of 128..16 whose programs number at least fp8_programs), pipeline stages
-    # (K tiles in flight per program) and warps
-    fp8_block_k: int = 256
-    fp8_block_n: int = 0
+    # ---- the FP8 weights' W8A16 GEMM (triton_fp8.py), decode-sized products (up to 256 tokens): K columns per inner
+    # step, column tile, pipeline stages (K tiles in flight per program) and warps; K is split between programs while
+    # the tiles number fewer than fp8_programs and each program keeps at least fp8_split_steps K tiles
+    fp8_block_k: int = 128
+    fp8_block_n: int = 128
     fp8_programs: int = 264
+    fp8_split_steps: int = 4
     fp8_stages: int = 4
     fp8_warps: int = 4
 
@@ -90,9 +91,9 @@ class KernelSettings:
                      "expand_warps", "fp8_warps"):
             _check_pow2(name, getattr(self, name), 1, 32)
         # Tile sides of tl.arange / tl.dot: powers of two, at least 16
-        for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k"):
+        for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n"):
             _check_pow2(name, getattr(self, name), 16, 1 << 16)
-        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi", "fp8_block_n"):
+        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi"):
             if getattr(self, name):
                 _check_pow2(name, getattr(self, name), 16, 1 << 16, zero=True)
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
@@ -104,9 +105,9 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
         if self.fold_multi_token_ranks < 0:
             raise ValueError(f"KernelSettings.fold_multi_token_ranks must be >= 0, got {self.fold_multi_token_ranks}")
-        if self.fp8_stages < 1 or self.fp8_programs < 1:
-            raise ValueError(f"KernelSettings.fp8_stages and fp8_programs must be >= 1, got {self.fp8_stages} and "
-                             f"{self.fp8_programs}")
+        for name in ("fp8_stages", "fp8_programs", "fp8_split_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KernelSettings.{name} must be >= 1, got {getattr(self, name)}")
         if self.attn_split_budget < 1:
             raise ValueError(f"KernelSettings.attn_split_budget must be >= 1, got {self.attn_split_budget}")
 

@@ -3,19 +3,22 @@
     y = (x @ float(W8).T) * scale (+ bias)      x [T, in] bf16/fp16/fp32, W8 [out, in] e4m3, scale [out] fp32
 
 the contract of quantization.fp8_linear, the plain-torch reference. Each program owns a [BLOCK_M, BLOCK_N] tile of
-y: it streams its BLOCK_N rows of W8 once (one byte a weight), widens each [BLOCK_K, BLOCK_N] tile to the
-activations' dtype in registers and multiplies it on the tensor cores with float32 accumulation; the per-channel
-scale and the bias are applied to the float32 sum, which is rounded once to the activations' dtype.
+y over a range of the K columns: it streams its BLOCK_N rows of W8 once (one byte a weight), widens each
+[BLOCK_K, BLOCK_N] tile to the activations' dtype in registers and multiplies it on the tensor cores with float32
+accumulation; the per-channel scale and the bias are applied to the float32 sum, which is rounded once to the
+activations' dtype.
 
-Decode-sized products (up to `SMALL_M` tokens: decode steps, drafting and verify passes) read the weights once for
-all of their tokens, so they are bound by the weights' bytes: the tile is one BLOCK_M of tokens by a BLOCK_N narrow
-enough that the products' programs fill the chip (`KernelSettings.fp8_programs`), and each program keeps
-`fp8_stages` K tiles in flight. Larger products (prompts) are bound by arithmetic and take square tiles, programs
-ordered in groups of GROUP_M row tiles so a group's weight tiles are reused from L2.
+Decode-sized products (up to `BYTES_BOUND_M` tokens: decode steps, drafting and verify passes) are bound by the
+weights' bytes. Their tiles are at most 64 tokens by `fp8_block_n` columns, a column's tiles side by side so their
+weight tiles come from L2 once one has read them; when those tiles are too few to keep every SM streaming
+(`fp8_programs`), K is split between programs (split-K): each writes its float32 partial sum, and a second kernel
+adds the partials in split order (deterministic: no atomics) and applies scale and bias. Larger products (prompts)
+are bound by arithmetic and take square tiles, programs ordered in groups of GROUP_M row tiles so a group's weight
+tiles are reused from L2.
 
 Activations are not quantized, so the products stay within bf16 rounding of the reference. `bench/fp8_gemm.py` times
 this kernel beside cuBLAS's bf16 product and `torch._scaled_mm` (FP8 x FP8 with per-token activation scales), and
-sweeps the launch settings; the defaults here are not yet measured on a GPU.
+sweeps the launch settings (bench/RESULTS.md, section 15).
 """
 
 from __future__ import annotations
@@ -27,19 +30,22 @@ import triton.language as tl
 from .settings import KernelSettings
 
 _DEFAULTS = KernelSettings()
-SMALL_M = 64  # products of up to this many tokens take the bytes-bound tiles
+BYTES_BOUND_M = 256  # products of up to this many tokens take the bytes-bound tiles
 # Prompt-sized tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 _LARGE = (128, 128, 64, 8, 3)
 GROUP_M = 8
 # Shared memory the pipeline stages may take (the H100/H200 allow 227 KB a block; the rest is the compiler's)
 SMEM_BUDGET = 160 * 1024
+SUM_BLOCK = 1024  # columns a program of the split-sum kernel adds up
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                  stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                  SPLIT: tl.constexpr):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     # GROUP row tiles side by side walk the columns together (their weight tiles shared through L2)
@@ -51,18 +57,19 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, 
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    k_first = pid_k * K_SPLIT  # this program's K columns: [k_first, k_first + K_SPLIT), K_SPLIT a BLOCK_K multiple
+    rk = k_first + tl.arange(0, BLOCK_K)
     m_in = rm < M
     n_in = rn < N
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]: W8 read transposed
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_first, tl.minimum(k_first + K_SPLIT, K), BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs, mask=m_in[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_in[None, :], other=0.0)
         else:
-            k_in = rk + k0 < K
+            k_in = rk + (k0 - k_first) < K
             x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_in[None, :] & k_in[:, None], other=0.0)
         if IEEE:
@@ -71,28 +78,53 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, 
             acc = tl.dot(x, w.to(x.dtype), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)[None, :]
+    if SPLIT == 1:
+        acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+    else:  # this split's partial sum, float32 [SPLIT, M, N]
+        p_ptrs = part_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+        tl.store(p_ptrs, acc, mask=m_in[:, None] & n_in[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                      SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, cols] = (the SPLIT partial sums, added in split order) * scale (+ bias), rounded once."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_in = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + rn, mask=n_in, other=0.0)
+    acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+        acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_in)
 
 
 def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, x_bytes: int = 2
-                  ) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a [M, K] x [K, N] product whose activations take x_bytes an
-    element; the stages are as many as the settings ask for while their tiles fit SMEM_BUDGET."""
-    if M > SMALL_M:
+                  ) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split) of a [M, K] x [K, N] product whose activations take x_bytes
+    an element; split is how many programs share a tile's K columns, and the stages are as many as the settings ask
+    for while their tiles fit SMEM_BUDGET."""
+    if M > BYTES_BOUND_M:
         block_m, block_n, block_k, warps, stages = _LARGE
-        return block_m, block_n, block_k, warps, _fit(stages, block_m, block_n, block_k, x_bytes)
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+        return block_m, block_n, block_k, warps, _fit(stages, block_m, block_n, block_k, x_bytes), 1
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
     block_k = min(settings.fp8_block_k, max(16, triton.next_power_of_2(K)))
-    block_n = settings.fp8_block_n
-    if block_n == 0:  # the widest column tile (at most 128, at least 16) whose programs still fill the chip
-        block_n = 128
-        while block_n > 16 and triton.cdiv(N, block_n) * triton.cdiv(M, block_m) < settings.fp8_programs:
-            block_n //= 2
-    return block_m, block_n, block_k, settings.fp8_warps, _fit(settings.fp8_stages, block_m, block_n, block_k, x_bytes)
+    block_n = min(settings.fp8_block_n, max(16, triton.next_power_of_2(N)))
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    steps = triton.cdiv(K, block_k)
+    # split K (in halves, quarters, ...) while the tiles are fewer than the programs asked for and each share keeps
+    # at least fp8_split_steps K tiles to stream
+    split = 1
+    while tiles * split < settings.fp8_programs and steps >= 2 * split * settings.fp8_split_steps:
+        split *= 2
+    return (block_m, block_n, block_k, settings.fp8_warps, _fit(settings.fp8_stages, block_m, block_n, block_k, x_bytes),
+            split)
 
 
 def _fit(stages: int, block_m: int, block_n: int, block_k: int, x_bytes: int) -> int:
@@ -117,10 +149,18 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bi
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
-    block_m, block_n, block_k, warps, stages = launch_config(M, N, K, settings, x.element_size())
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
-    _w8a16_kernel[grid](x2, w8, scale, bias if bias is not None else scale, y, M, N, K, x2.stride(0), w8.stride(0),
-                        y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                        GROUP=GROUP_M, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32, num_warps=warps,
+    block_m, block_n, block_k, warps, stages, split = launch_config(M, N, K, settings, x.element_size())
+    k_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
+    split = triton.cdiv(K, k_split)  # no empty share when K's tiles do not divide evenly
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    bias_arg = bias if bias is not None else scale
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split)
+    _w8a16_kernel[grid](x2, w8, scale, bias_arg, y, part, M, N, K, k_split, x2.stride(0), w8.stride(0), y.stride(0),
+                        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
+                        EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT=split, num_warps=warps,
                         num_stages=stages)
+    if split > 1:
+        _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](part, scale, bias_arg, y, M, N, y.stride(0),
+                                                          HAS_BIAS=bias is not None, SPLIT=split, BLOCK=SUM_BLOCK,
+                                                          num_warps=4)
     return y.reshape(*lead, N)

@@ -298,23 +298,28 @@ def fp8():
     from engine_ext.quantization import fp8_linear, quantize_fp8
 
     g = torch.Generator().manual_seed(0)
+    narrow = KernelSettings(fp8_block_k=32, fp8_block_n=16, fp8_stages=1, fp8_warps=1)
+    # K split in 2, 4 and 8 shares (one of them shorter when K's tiles do not divide evenly), and not split
+    split = KernelSettings(fp8_block_k=16, fp8_block_n=16, fp8_programs=1 << 20, fp8_split_steps=1, fp8_stages=2)
     for m, n, k, bias in [(1, 48, 64, False), (5, 200, 300, True), (17, 64, 256, False), (40, 96, 80, True),
-                          (70, 130, 96, False)]:
+                          (70, 130, 96, False), (300, 40, 48, True)]:
         w8, scale = quantize_fp8(torch.randn(n, k, generator=g))
         b = torch.randn(n, generator=g) if bias else None
         x = torch.randn(m, k + 8, generator=g)[:, 3:k + 3]  # rows strided past their length
         ref = fp8_linear(x, w8, scale, b)
-        _close(fp8_linear_triton(x, w8, scale, b), ref)
-        narrow = KernelSettings(fp8_block_k=32, fp8_block_n=16, fp8_stages=1, fp8_warps=1)
-        _close(fp8_linear_triton(x, w8, scale, b, settings=narrow), ref)
+        for settings in (KernelSettings(), narrow, split):
+            _close(fp8_linear_triton(x, w8, scale, b, settings=settings), ref)
     x3 = torch.randn(2, 3, 64, generator=g)
     w8, scale = quantize_fp8(torch.randn(32, 64, generator=g))
     _close(fp8_linear_triton(x3, w8, scale), fp8_linear(x3, w8, scale))
     assert fp8_linear_triton(x3[:0], w8, scale).shape == (0, 3, 32)
-    # the column tile narrows until the programs fill the chip, and is the setting's when it sets one
-    assert launch_config(1, 4096, 4096)[1] == 16 and launch_config(1, 131072, 4096)[1] == 128
+    # K is split while the tiles are fewer than the programs asked for, each share keeping fp8_split_steps K tiles;
+    # a wide product or a prompt is not split
+    assert launch_config(1, 4096, 4096)[5] == 8 and launch_config(1, 131072, 4096)[5] == 1
+    assert launch_config(1, 4096, 4096, KernelSettings(fp8_split_steps=16))[5] == 2
     assert launch_config(1, 4096, 4096, KernelSettings(fp8_block_n=64))[1] == 64
-    assert launch_config(1000, 4096, 4096)[0] > 16
+    assert launch_config(160, 4096, 4096)[0] == 64 and launch_config(1000, 4096, 4096)[0] > 64
+    assert launch_config(1000, 4096, 4096)[5] == 1
 
     root = tempfile.mkdtemp()
     model = build_model("llama", root + "/m")

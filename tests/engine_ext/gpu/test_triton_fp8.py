@@ -50,9 +50,11 @@ def test_launch_settings_change_nothing():
 
     g = torch.Generator("cuda").manual_seed(0)
     w8, scale = quantize_fp8(torch.randn(4096, 4096, generator=g, device="cuda"))
-    for t in (1, 32, 64):
+    for t in (1, 32, 64, 160):
         x = torch.randn(t, 4096, generator=g, device="cuda").to(torch.bfloat16)
         ref = fp8_linear_triton(x, w8, scale)
         for s in (KernelSettings(fp8_block_k=64, fp8_block_n=16, fp8_stages=2, fp8_warps=2),
-                  KernelSettings(fp8_block_k=512, fp8_block_n=128, fp8_stages=6, fp8_warps=8)):
+                  KernelSettings(fp8_block_k=512, fp8_block_n=128, fp8_stages=6, fp8_warps=8),
+                  KernelSettings(fp8_split_steps=1 << 10),  # never split
+                  KernelSettings(fp8_block_k=64, fp8_programs=4096, fp8_split_steps=1)):  # split in 32
             assert _rel(fp8_linear_triton(x, w8, scale, settings=s), ref) < 2e-3  # bf16 outputs, sums in another order
