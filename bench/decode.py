@@ -229,7 +229,7 @@ def build_engine(model_dir: str, adapters: dict[str, str], max_loras: int, max_r
                  kernels: KernelSettings | None = None, tp: int = 1, quantization: str | None = None):
     cfg = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", tensor_parallel_size=tp,
                        quantization=quantization,
-                       max_loras=max_loras, max_lora_rank=max_rank,
+                       max_loras=max_loras, max_lora_rank=max_rank, lora_slot_rank=max_rank,  # slots that wide
                        max_cpu_loras=max(64, len(adapters) + 1), kv_cache_memory_gb=24, max_num_seqs=128,
                        max_num_batched_tokens=8192, max_model_len=2048, lora_backend="triton", attn_backend="triton",
                        layer_ops="triton", kernels=kernels or KernelSettings(), cuda_graphs=True,
@@ -289,7 +289,7 @@ def main() -> None:
                     help="also run plain, forced and gated points on adapters at each of these B scales (between "
                          "the near and very far ones: acceptances where plain and drafting are close)")
     ap.add_argument("--slot-rank", type=int, default=None,
-                    help="the engine's max_lora_rank (every slot's width; default: each --ranks value, so the adapters "
+                    help="the slots' width (max_lora_rank and lora_slot_rank; default: each --ranks value, so the adapters "
                          "fill their slots); e.g. 64 for rank-16 adapters in the served default's slots")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)

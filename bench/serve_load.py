@@ -451,7 +451,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--mix", choices=sorted(MIXES), default="mixed", help="adapters' distances from the base")
     ap.add_argument("--max-loras", type=int, default=32)
-    ap.add_argument("--max-rank", type=int, default=64, help="slot rank (EngineConfig.max_lora_rank's default)")
+    ap.add_argument("--max-rank", type=int, default=64,
+                    help="EngineConfig.max_lora_rank (its default): the slots start at lora_slot_rank (16) and grow up "
+                         "to it when a wider adapter arrives, as a replica's do")
     ap.add_argument("--spec", type=int, default=4, help="draft tokens (0: plain multi-LoRA)")
     ap.add_argument("--no-gate", action="store_true")
     ap.add_argument("--draft-lead", type=int, default=None, help="SpecConfig.draft_lead (default: its default)")

@@ -26,14 +26,15 @@ from .stats import EngineStats
 class AdapterManager:
     def __init__(self, spec: ModelSpec, model_dir: str, max_loras: int, max_cpu_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, stats: EngineStats | None = None,
-                 slots: AdapterSlots | None = None, pack: Callable[[LoRAWeights], PackedAdapter] | None = None):
+                 slots: AdapterSlots | None = None, pack: Callable[[LoRAWeights], PackedAdapter] | None = None,
+                 slot_rank: int | None = None):
         """spec: the whole model (adapters are checked against it). slots, pack: the device slots and how a parsed
         adapter is packed for them (tensor parallelism: each rank's part, parallel/adapters.py); None: slots for
-        the whole model, and an adapter packed as one of their rows."""
+        the whole model, and an adapter packed as one of their rows, starting slot_rank wide (None: max_rank)."""
         self.spec, self.model_dir, self.max_rank = spec, model_dir, max_rank
         self.dtype, self.device = dtype, device
         self.max_cpu_loras = max_cpu_loras
-        self.slots = slots or AdapterSlots(spec, max_loras, max_rank, dtype, device)
+        self.slots = slots or AdapterSlots(spec, max_loras, max_rank, dtype, device, rank=slot_rank)
         self.pack = pack or (lambda weights: pack_adapter(weights, spec, dtype, pin=self.device.type == "cuda"))
         self.paths: dict[str, str] = {}
         self.pinned: set[str] = set()

@@ -156,28 +156,45 @@ class _Load:
 
 
 class AdapterSlots:
-    """The views the LoRA ops read (S = max_loras + 1 slots, R = max_rank; all strided views into `slab`
-    and `scale_slab`, with unit stride along the last dim of A, B and the group scales):
+    """The views the LoRA ops read (S = max_loras + 1 slots, R = the slots' width `rank`, at most max_rank; all
+    strided views into `slab` and `scale_slab`, with unit stride along the last dim of A, B and the group scales):
 
     group_a[g] [L, S, in, nseg*R] (module seg's A in columns seg*R ..), group_b[g] [L, S, R, out_total]
     (modules' B side by side from group_segments[g]), group_scale[g] [L, S, nseg] float32;
     per module a[m] [L, S, in, R], b[m] [L, S, R, out], scale[m] [L, S] (ranks below R zero-padded);
     group_rank[g] [S] int32: each slot's adapter's rank in group g (0: the zero slot, a free slot, a group the
     adapter leaves alone): past it a slot's A columns and B rows are zero padding, which the Triton kernels skip
-    with KernelSettings.rank_masks."""
+    with KernelSettings.rank_masks.
+
+    Every slot is read at the slots' width whatever its adapter's rank, so the width is the LoRA work's cost: it
+    starts at `rank` and grows (`grow`) only when an adapter wider than it arrives."""
 
     def __init__(self, spec: ModelSpec, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
-                 policy: LRUPolicy | None = None):
-        self.max_loras = max_loras
+                 policy: LRUPolicy | None = None, rank: int | None = None):
+        """max_rank: the highest rank an adapter may have here. rank: the slots' width to start at (None: max_rank);
+        an adapter of a higher rank widens them when it is first activated (`grow`)."""
+        self.spec, self.max_loras, self.max_rank = spec, max_loras, max_rank
         self.zero_slot = max_loras
         self.device = torch.device(device)
-        num_slots, rank = max_loras + 1, max_rank
-        self.layout = SlotLayout.build(spec, max_rank)
+        num_slots = max_loras + 1
+        self.layout = SlotLayout.build(spec, max_rank if rank is None else min(rank, max_rank))
         self.slab = torch.zeros(num_slots, self.layout.numel, dtype=dtype, device=self.device)  # [S, row]
         self.scale_slab = torch.zeros(num_slots, spec.num_layers, len(SCALE_COLUMNS), dtype=torch.float32,
                                       device=self.device)  # [S, L, 7]
         self.rank_table = torch.zeros(num_slots, len(LORA_GROUPS), dtype=torch.int32, device=self.device)  # [S, G]
         self.group_rank = {g: self.rank_table[:, i] for i, g in enumerate(LORA_GROUPS)}
+        # Bumps whenever the stacks move to new memory (`grow`): whatever captured views of them (the CUDA graphs)
+        # captures again
+        self.generation = 0
+        self._views()
+        self.table: list[str | None] = [None] * max_loras  # slot -> adapter name
+        self.policy = policy or LRUPolicy()
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._loads: dict[int, _Load] = {}  # slot -> its copy in flight
+
+    def _views(self) -> None:
+        """The group and module views of `slab` and `scale_slab` at the layout's rank."""
+        rank = self.layout.rank
         self.group_a = {g: self.layout.a(self.slab, g).transpose(0, 1) for g in LORA_GROUPS}
         self.group_b = {g: self.layout.b(self.slab, g).transpose(0, 1) for g in LORA_GROUPS}
         self.group_scale, self.group_segments = {}, {}
@@ -191,10 +208,37 @@ class AdapterSlots:
                 self.a[m] = self.group_a[g][..., seg * rank : (seg + 1) * rank]
                 self.b[m] = self.group_b[g][..., blk.segments[seg] : ends[seg]]
                 self.scale[m] = self.group_scale[g][..., seg]
-        self.table: list[str | None] = [None] * max_loras  # slot -> adapter name
-        self.policy = policy or LRUPolicy()
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._loads: dict[int, _Load] = {}  # slot -> its copy in flight
+
+    @property
+    def rank(self) -> int:
+        """The slots' width now: every adapter in them is zero-padded to it."""
+        return self.layout.rank
+
+    def width_for(self, rank: int) -> int:
+        """The width the slots take for an adapter of `rank`: theirs when it fits, else the next power of two (at
+        most max_rank), so a few growths reach any rank."""
+        if rank <= self.layout.rank:
+            return self.layout.rank
+        return min(self.max_rank, 1 << (rank - 1).bit_length())
+
+    def grow(self, rank: int) -> None:
+        """Widen every slot to `rank` (at most max_rank). The adapters in them are copied into the wider stacks on
+        the device, zero-padded, after any copy still in flight has landed; forwards already queued keep reading the
+        old stacks, which the caching allocator frees after them. `generation` bumps: the CUDA graphs, which hold
+        the old stacks' addresses, capture again before their next replay."""
+        if rank <= self.layout.rank:
+            return
+        if rank > self.max_rank:
+            raise ValueError(f"rank {rank} is above these slots' max_rank {self.max_rank}")
+        self.synchronize()
+        old_layout, old = self.layout, self.slab
+        self.layout = SlotLayout.build(self.spec, rank)
+        self.slab = torch.zeros(old.shape[0], self.layout.numel, dtype=old.dtype, device=self.device)
+        for slot, name in enumerate(self.table):
+            if name is not None:
+                self._unpack(self.slab[slot], old[slot], old_layout)
+        self._views()
+        self.generation += 1
 
     def slot_of(self, name: str) -> int | None:
         try:
@@ -270,8 +314,11 @@ class AdapterSlots:
         the slot. On a GPU the copy is left pending for `flush`, then runs on `copy_stream`: see `ready`."""
         slot = self.slot_of(adapter.name)
         if slot is None:
-            if adapter.rank > self.layout.rank or adapter.layout.num_layers != self.layout.num_layers:
+            if adapter.rank > self.max_rank or adapter.layout.num_layers != self.layout.num_layers:
                 raise ValueError(f"adapter {adapter.name!r} (rank {adapter.rank}) does not fit these slots")
+            if not self.can_activate(adapter.name, busy):
+                raise RuntimeError("no adapter slot is free or evictable")
+            self.grow(self.width_for(adapter.rank))
             slot = self._free_or_victim(busy)
             if slot is None:
                 raise RuntimeError("no adapter slot is free or evictable")

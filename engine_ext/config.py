@@ -66,6 +66,12 @@ class EngineConfig:
     quantization: str | None = None
     max_loras: int = 8  # adapter slots on the device
     max_lora_rank: int = 64
+    # The adapter slots' width to start at: every slot is read at the slots' width whatever its adapter's rank, so
+    # rank-16 adapters in rank-64 slots cost a plain step at batch 32 +63% over rank-16 slots (H100, 1B; RESULTS
+    # section 1, "Slot width"). An adapter wider than the slots widens them (to the next power of two, at most
+    # max_lora_rank) when it first goes on the device, which recaptures the CUDA graphs then: seconds, once a width.
+    # None: max_lora_rank from the start (no recapture ever). Tensor-parallel engines start at max_lora_rank.
+    lora_slot_rank: int | None = 16
     max_cpu_loras: int = 64  # adapters kept parsed in host memory (LRU)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
@@ -128,6 +134,8 @@ class EngineConfig:
                      "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_slot_rank is not None and not (isinstance(self.lora_slot_rank, int) and self.lora_slot_rank >= 1):
+            raise ValueError(f"lora_slot_rank must be an int >= 1 or None, got {self.lora_slot_rank!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras (device slots are filled from the host cache)")
         if self.tp_timeout_s <= 0:

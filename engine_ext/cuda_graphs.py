@@ -8,7 +8,8 @@ block the block manager never hands out, on the zero adapter slot, so they touch
 Everything that varies between steps lives in static device buffers that are graph inputs:
 token ids, positions, KV slots, block tables, each token's adapter slot. The adapter weights are
 the slot stacks themselves (static tensors the slot table copies into), so a new adapter mix or a
-newly loaded adapter needs no re-capture. The attention and LoRA kernels read per-token lengths
+newly loaded adapter needs no re-capture; only an adapter wider than the slots, which moves them to wider stacks
+(AdapterSlots.grow), has every graph captured again before the next replay. The attention and LoRA kernels read per-token lengths
 and slots on the device, which is what makes one graph valid for every mix.
 
 All per-step metadata is packed on the host (batch.pack_forward, padded to the bucket) into one
@@ -66,7 +67,8 @@ class DecodeGraphs:
         # (bucket, adapters on, several tokens per sequence) -> (graph, its logits buffer)
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds: float | None = None
-        self._slots = None
+        self.captures = 0  # how many times every graph was captured (more than once: the adapter slots grew)
+        self._slots, self._generation = None, -1
         # The last replay, for `relaunch`: (graph key, tokens, logits rows) when it ran one token per sequence
         self._last: tuple[tuple[int, bool, bool], int, int] | None = None
 
@@ -91,7 +93,7 @@ class DecodeGraphs:
     def capture(self, slots) -> float:
         """Capture every graph (`kinds`) against these slot stacks; returns seconds taken."""
         start = time.perf_counter()
-        self._slots = slots
+        self._slots, self._generation = slots, slots.generation
         self._last = None
         self.rows.zero_()
         self.rows[KV_SLOT] = self.scratch_block * self.block_size
@@ -123,9 +125,17 @@ class DecodeGraphs:
                 gc.enable()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
+        self.captures += 1
         logger.info("captured %d CUDA graphs (buckets %s) in %.1f s", len(self.graphs), self.buckets,
                     self.capture_seconds)
         return self.capture_seconds
+
+    def _release(self) -> None:
+        """Drop the graphs, once the device has run every replay queued (their memory pools are freed with them)."""
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            self.graphs.clear()
+            self._last = None
 
     def fits(self, work: list[SeqWork]) -> bool:
         return (sum(len(w.token_ids) for w in work) <= self.buckets[-1]
@@ -145,10 +155,11 @@ class DecodeGraphs:
 
         Stream order makes the queue safe: this forward's copies into the static `rows`/`tables` run after
         the previous replay has read them, and the source fix-up runs after the forwards that wrote `tokens`."""
-        if self._slots is None:
-            self.capture(slots)
-        elif slots is not self._slots:
+        if self._slots is not None and slots is not self._slots:
             raise ValueError("the graphs were captured against another AdapterSlots")
+        if self._slots is None or self._generation != slots.generation:
+            self._release()  # the slots grew (AdapterSlots.grow): the graphs read stacks that are gone
+            self.capture(slots)
         total = sum(len(w.token_ids) for w in work)
         bucket = next(b for b in self.buckets if b >= total)
         use_lora = use_lora and any(w.lora_slot != slots.zero_slot for w in work)

@@ -73,7 +73,7 @@ class LLMEngine:
         self.counters = EngineStats()
         self.adapters = AdapterManager(self.spec, config.model, config.max_loras, config.max_cpu_loras,
                                        config.max_lora_rank, config.torch_dtype, self.device, self.counters,
-                                       self.ranks.slots, self.ranks.pack)
+                                       self.ranks.slots, self.ranks.pack, config.lora_slot_rank)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, self.adapters, config.max_num_seqs, config.max_num_batched_tokens)
         self.set_prefix_caching(config.enable_prefix_caching)

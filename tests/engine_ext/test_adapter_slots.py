@@ -40,7 +40,7 @@ def load(s: AdapterSlots, w: LoRAWeights, busy=frozenset()) -> int:
 
 def assert_slot_holds(s: AdapterSlots, slot: int, w: LoRAWeights) -> None:
     """Every view of `slot` against the adapter: its matrices in place, zeros everywhere else."""
-    shapes = SPEC.module_shapes()
+    shapes, R = SPEC.module_shapes(), s.rank  # noqa: N806 - the slots' width, as the module's R
     for layer in range(SPEC.num_layers):
         for g, modules in LORA_GROUPS.items():
             ga, gb, gs = s.group_a[g][layer, slot], s.group_b[g][layer, slot], s.group_scale[g][layer, slot]
@@ -148,6 +148,37 @@ def test_activate_is_idempotent_and_refuses_too_large_a_rank():
     assert load(s, w) == load(s, w) == 0 and s.resident == ["x"]
     with pytest.raises(ValueError, match="does not fit"):
         s.activate(pack_adapter(weights("wide", {"q_proj": 2 * R}, seed=2), SPEC, torch.float32, pin=False), set())
+
+
+def test_slots_start_narrow_and_grow_for_a_wider_adapter_keeping_the_others():
+    s = AdapterSlots(SPEC, 3, 32, torch.float32, CPU, rank=4)
+    assert s.rank == 4 and s.generation == 0
+    narrow, mixed = weights("narrow", {"q_proj": 2, "o_proj": 4}, seed=1), weights("mixed", {"v_proj": 3}, seed=2)
+    assert load(s, narrow) == 0 and load(s, mixed) == 1
+    assert s.rank == 4 and s.generation == 0  # they fit: nothing moved
+    wide = weights("wide", {"q_proj": 5, "down_proj": 6, "up_proj": 2}, seed=3)
+    assert load(s, wide) == 2
+    assert s.rank == 8 and s.generation == 1  # the next power of two
+    for slot, w in enumerate((narrow, mixed, wide)):
+        assert_slot_holds(s, slot, w)
+    assert_zero(s, s.zero_slot)
+    assert s.width_for(9) == 16 and s.width_for(20) == 32 and s.width_for(8) == 8
+    assert load(s, weights("widest", {"k_proj": 20}, seed=4), busy={"narrow", "mixed"}) == 2  # "wide" evicted
+    assert s.rank == 32 and s.generation == 2
+    assert_slot_holds(s, 0, narrow)
+    assert_slot_holds(s, 1, mixed)
+    # above max_rank: refused, nothing moved
+    with pytest.raises(ValueError, match="does not fit"):
+        load(s, weights("too-wide", {"q_proj": 33}, seed=5))
+    assert s.rank == 32 and s.generation == 2 and s.resident == ["narrow", "mixed", "widest"]
+
+
+def test_a_wider_adapter_that_finds_no_slot_grows_nothing():
+    s = AdapterSlots(SPEC, 1, 16, torch.float32, CPU, rank=4)
+    load(s, weights("a", {"q_proj": 4}, seed=1))
+    with pytest.raises(RuntimeError, match="no adapter slot"):
+        load(s, weights("b", {"q_proj": 16}, seed=2), busy={"a"})
+    assert s.rank == 4 and s.generation == 0 and s.resident == ["a"]
 
 
 @pytest.mark.parametrize("ranks,groups", [
