@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine|fp8
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine|fp8|growth
 """
 
 from __future__ import annotations
@@ -336,6 +336,27 @@ def fp8():
     engine, out = run(lora_backend="triton", attn_backend="triton", layer_ops="triton")
     assert out == ref
     assert engine.runner.model.layers[0].linear.__self__.matmul.func is fp8_linear_triton
+
+
+def growth():
+    """Slots that grow mid-run (test_slot_growth.py) with the Triton kernels: the tokens equal full-width slots'."""
+    import tempfile as _tempfile
+
+    import test_slot_growth as t
+    from tiny_models import build_adapter, build_model
+
+    root = _tempfile.mkdtemp()
+    model = build_model("llama", root + "/m")
+    adapters = (model, build_adapter(model, root + "/narrow", seed=1, r=4, std=0.3),
+                build_adapter(model, root + "/wide", seed=2, r=24, target_modules=t.ALL_MODULES, std=0.3))
+    kernels = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton")
+    from engine_ext import SpecConfig
+
+    for spec in (None, SpecConfig(num_draft_tokens=3, gate=False)):
+        grown_engine, grown = t.run(adapters, kernels, 8, spec)
+        _, full = t.run(adapters, kernels, None, spec)
+        assert grown == full and len(grown) == 3, (grown, full)
+        assert grown_engine.adapters.slots.rank == 32 and grown_engine.adapters.slots.generation == 1
 
 
 if __name__ == "__main__":
