@@ -225,7 +225,7 @@ class AdapterSlots:
         """Widen every slot to `rank` (at most max_rank). The adapters in them are copied into the wider stacks on
         the device, zero-padded, after any copy still in flight has landed; forwards already queued keep reading the
         old stacks, which the caching allocator frees after them. `generation` bumps: the CUDA graphs, which hold
-        the old stacks' addresses, capture again before their next replay."""
+        the old stacks' addresses (and keep them allocated), capture again before their next replay."""
         if rank <= self.layout.rank:
             return
         if rank > self.max_rank:

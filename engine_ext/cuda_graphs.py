@@ -68,7 +68,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds: float | None = None
         self.captures = 0  # how many times every graph was captured (more than once: the adapter slots grew)
-        self._slots, self._generation = None, -1
+        self._slots, self._generation, self._stacks = None, -1, None
         # The last replay, for `relaunch`: (graph key, tokens, logits rows) when it ran one token per sequence
         self._last: tuple[tuple[int, bool, bool], int, int] | None = None
 
@@ -94,6 +94,9 @@ class DecodeGraphs:
         """Capture every graph (`kinds`) against these slot stacks; returns seconds taken."""
         start = time.perf_counter()
         self._slots, self._generation = slots, slots.generation
+        # The stacks the graphs read stay allocated while the graphs exist: after a growth, a relaunch of the last
+        # replay (a step continuing the one before it, whose batch the growth did not change) still reads them
+        self._stacks = slots.slab
         self._last = None
         self.rows.zero_()
         self.rows[KV_SLOT] = self.scratch_block * self.block_size
@@ -136,6 +139,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             self.graphs.clear()
             self._last = None
+        self._stacks = None
 
     def fits(self, work: list[SeqWork]) -> bool:
         return (sum(len(w.token_ids) for w in work) <= self.buckets[-1]
