@@ -289,8 +289,8 @@ def main() -> None:
                     help="also run plain, forced and gated points on adapters at each of these B scales (between "
                          "the near and very far ones: acceptances where plain and drafting are close)")
     ap.add_argument("--slot-rank", type=int, default=None,
-                    help="the slots' width (max_lora_rank and lora_slot_rank; default: each --ranks value, so the adapters "
-                         "fill their slots); e.g. 64 for rank-16 adapters in the served default's slots")
+                    help="the slots' width (max_lora_rank and lora_slot_rank; default: each --ranks value, so the "
+                         "adapters fill their slots); e.g. 64 for rank-16 adapters in rank-64 slots")
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--iters", type=int, default=30)

@@ -316,12 +316,10 @@ class AdapterSlots:
         if slot is None:
             if adapter.rank > self.max_rank or adapter.layout.num_layers != self.layout.num_layers:
                 raise ValueError(f"adapter {adapter.name!r} (rank {adapter.rank}) does not fit these slots")
-            if not self.can_activate(adapter.name, busy):
-                raise RuntimeError("no adapter slot is free or evictable")
-            self.grow(self.width_for(adapter.rank))
             slot = self._free_or_victim(busy)
             if slot is None:
                 raise RuntimeError("no adapter slot is free or evictable")
+            self.grow(self.width_for(adapter.rank))  # the table stays as it is: the slot is still this one's
             self._forget(slot)  # no clearing: the copy writes the whole row
             self._copy_in(slot, adapter)
             self.table[slot] = adapter.name

@@ -8,9 +8,9 @@ block the block manager never hands out, on the zero adapter slot, so they touch
 Everything that varies between steps lives in static device buffers that are graph inputs:
 token ids, positions, KV slots, block tables, each token's adapter slot. The adapter weights are
 the slot stacks themselves (static tensors the slot table copies into), so a new adapter mix or a
-newly loaded adapter needs no re-capture; only an adapter wider than the slots, which moves them to wider stacks
-(AdapterSlots.grow), has every graph captured again before the next replay. The attention and LoRA kernels read per-token lengths
-and slots on the device, which is what makes one graph valid for every mix.
+newly loaded adapter needs no re-capture; only an adapter wider than the slots, which moves them to wider
+stacks (AdapterSlots.grow), has every graph captured again before the next replay. The attention and LoRA
+kernels read per-token lengths and slots on the device, which is what makes one graph valid for every mix.
 
 All per-step metadata is packed on the host (batch.pack_forward, padded to the bucket) into one
 pinned buffer and sent with two non-blocking copies (staging.Staging: each forward in flight packs into its

@@ -123,8 +123,8 @@ def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, 
     split = 1
     while tiles * split < settings.fp8_programs and steps >= 2 * split * settings.fp8_split_steps:
         split *= 2
-    return (block_m, block_n, block_k, settings.fp8_warps, _fit(settings.fp8_stages, block_m, block_n, block_k, x_bytes),
-            split)
+    stages = _fit(settings.fp8_stages, block_m, block_n, block_k, x_bytes)
+    return block_m, block_n, block_k, settings.fp8_warps, stages, split
 
 
 def _fit(stages: int, block_m: int, block_n: int, block_k: int, x_bytes: int) -> int:
