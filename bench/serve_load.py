@@ -452,8 +452,11 @@ def main() -> None:
     ap.add_argument("--mix", choices=sorted(MIXES), default="mixed", help="adapters' distances from the base")
     ap.add_argument("--max-loras", type=int, default=32)
     ap.add_argument("--max-rank", type=int, default=64,
-                    help="EngineConfig.max_lora_rank (its default): the slots start at lora_slot_rank (16) and grow up "
-                         "to it when a wider adapter arrives, as a replica's do")
+                    help="EngineConfig.max_lora_rank (its default): the slots' width, or what they may grow to from "
+                         "--slot-rank")
+    ap.add_argument("--slot-rank", type=int, default=None,
+                    help="EngineConfig.lora_slot_rank: the slots start this wide and grow when a wider adapter "
+                         "arrives (default: the engine's)")
     ap.add_argument("--spec", type=int, default=4, help="draft tokens (0: plain multi-LoRA)")
     ap.add_argument("--no-gate", action="store_true")
     ap.add_argument("--draft-lead", type=int, default=None, help="SpecConfig.draft_lead (default: its default)")
@@ -512,6 +515,8 @@ def main() -> None:
     model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu, MIXES[args.mix])
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
     kernels = {"kernels": KernelSettings.from_dict(args.kernel_settings)} if args.kernel_settings else {}
+    if args.slot_rank is not None:
+        kernels["lora_slot_rank"] = args.slot_rank
     cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
                         args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp,
                         quantization=args.quantization, **kernels)
