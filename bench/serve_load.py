@@ -514,12 +514,12 @@ def main() -> None:
         torch.set_num_threads(args.cpu_threads)
     model_dir, adapters = build_workload(args.work_dir, args.shape, args.adapters, args.rank, gpu, MIXES[args.mix])
     spec = SpecConfig(num_draft_tokens=args.spec) if args.spec else None  # sizes the drafting room
-    kernels = {"kernels": KernelSettings.from_dict(args.kernel_settings)} if args.kernel_settings else {}
+    fields = {"kernels": KernelSettings.from_dict(args.kernel_settings)} if args.kernel_settings else {}
     if args.slot_rank is not None:
-        kernels["lora_slot_rank"] = args.slot_rank
+        fields["lora_slot_rank"] = args.slot_rank
     cfg = engine_config(model_dir, args.device, args.adapters, args.max_loras, args.rank, args.max_rank, spec,
                         args.compile_cache, args.debug_checks, tensor_parallel_size=args.tp,
-                        quantization=args.quantization, **kernels)
+                        quantization=args.quantization, **fields)
     before = _cache_entries(args.compile_cache)
     if args.loop == "core":  # the engine built in the core's process; this one holds its client
         engine = AsyncLLMEngine(dataclasses.replace(cfg, engine_process=True))

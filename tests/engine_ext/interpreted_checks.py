@@ -340,18 +340,12 @@ def fp8():
 
 def growth():
     """Slots that grow mid-run (test_slot_growth.py) with the Triton kernels: the tokens equal full-width slots'."""
-    import tempfile as _tempfile
-
     import test_slot_growth as t
-    from tiny_models import build_adapter, build_model
 
-    root = _tempfile.mkdtemp()
-    model = build_model("llama", root + "/m")
-    adapters = (model, build_adapter(model, root + "/narrow", seed=1, r=4, std=0.3),
-                build_adapter(model, root + "/wide", seed=2, r=24, target_modules=t.ALL_MODULES, std=0.3))
-    kernels = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton")
     from engine_ext import SpecConfig
 
+    adapters = t.workload(tempfile.mkdtemp())
+    kernels = dict(lora_backend="triton", attn_backend="triton", layer_ops="triton")
     for spec in (None, SpecConfig(num_draft_tokens=3, gate=False)):
         grown_engine, grown = t.run(adapters, kernels, 8, spec)
         _, full = t.run(adapters, kernels, None, spec)

@@ -11,13 +11,17 @@ from tiny_models import build_adapter, build_model
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def workload(root: str) -> tuple[str, str, str]:
+    """(model, a rank-4 q/v adapter, a rank-24 adapter on every projection) under `root`."""
+    model = build_model("llama", f"{root}/m")
+    narrow = build_adapter(model, f"{root}/narrow", seed=1, r=4, std=0.3)
+    wide = build_adapter(model, f"{root}/wide", seed=2, r=24, target_modules=ALL_MODULES, std=0.3)
+    return model, narrow, wide
+
+
 @pytest.fixture(scope="module")
 def model_and_adapters(tmp_path_factory):
-    root = tmp_path_factory.mktemp("growth")
-    model = build_model("llama", str(root / "m"))
-    narrow = build_adapter(model, str(root / "narrow"), seed=1, r=4, std=0.3)
-    wide = build_adapter(model, str(root / "wide"), seed=2, r=24, target_modules=ALL_MODULES, std=0.3)
-    return model, narrow, wide
+    return workload(str(tmp_path_factory.mktemp("growth")))
 
 
 def run(model_and_adapters, backend: dict, slot_rank, spec):
