@@ -249,6 +249,7 @@ def replica_stats(timeout: float = 3.0) -> dict[str, dict]:
         out["loads"] = sum(int(a.get("loads", 0)) for a in (server.stats.latest.get("adapters") or {}).values())
         out["known"] = server.adapters.known()
         out["registered_by"] = server.adapters.registered_by()
+        out["homes"] = server.placement.homes()  # the plan's share this replica acts on now
         return out
 
     refs = {rid: a.__ray_call__.remote(stats) for rid, a in llm_replicas().items()}

@@ -183,8 +183,20 @@ def node_loss(cluster, workers, url: str, cfg, keys: dict[str, str]) -> dict:
                 rejoin_outcomes.extend(run_load(url, traffic(60, seed=10 + i, base=base), concurrency=16))
                 i += 1
 
+        # the homes each replica's own copy of the plan gave it, from the node's return on: a replica prefetches
+        # what its copy says (synced every placement period), which the controller's view may have moved since
+        homed_by_replica: dict[str, set] = {}
+
+        def watch_homes():
+            while "settled" not in back and time.monotonic() - rejoined_at < 150:
+                for rid, s in mn.replica_stats().items():
+                    homed_by_replica.setdefault(rid, set()).update(s.get("homes", ()))
+                time.sleep(0.2)
+
         loader = threading.Thread(target=rejoin_load)
         loader.start()
+        home_watcher = threading.Thread(target=watch_homes)
+        home_watcher.start()
         mn.add_worker(cluster)  # (in the main thread: a node registers signal handlers)
         back["node_added_s"] = round(time.monotonic() - rejoined_at, 1)
         new_ids = mn.wait_for(running, timeout=120)
@@ -214,13 +226,14 @@ def node_loss(cluster, workers, url: str, cfg, keys: dict[str, str]) -> dict:
                                              for c in sorted(set(causes.values()))}
             back["new_replica_homes"] = sorted(f for f, a in view["adapters"].items() if new_id in a["homes"]
                                                and a["tier"] != "cold")
-            back["new_replica_homes_ever"] = sorted(homed_ever)
+            back["new_replica_homes_ever"] = sorted(homed_ever | homed_by_replica.get(new_id, set()))
             back["others_loaded"] = {r: sorted(set(s["known"]) - before.get(r, set())) for r, s in after.items()
                                      if r != new_id}
             back["plan_replicas"] = view["replicas"]
             back["hot_homes"] = {f: view["adapters"].get(f, {}).get("homes") for f in HOT}
         back["settled"] = True
         loader.join()
+        home_watcher.join()
         back["requests"] = len(rejoin_outcomes)
         back["outcomes"] = mn.summarize(rejoin_outcomes)
         back["errors"] = [o.to_json() for o in rejoin_outcomes if o.kind != "ok"][:5]
