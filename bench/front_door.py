@@ -7,7 +7,8 @@ on CPU, 2 LLM replicas, SQLite registry in a temp dir; no stub anywhere):
 2. long prompts: a 1.9 MB prompt's refusal time (median and max of `--probes`, one at a time), then bursts of
    `--long` such prompts at `--long-concurrency` from one tenant, a burst every `--long-pause` seconds until the
    other tenant has `--samples` answers, with its median before and during a burst (the requests that ran while
-   one did; acceptance: refused in under 50 ms; during within 1.3x). Each of the burst's clients sends from its own loopback address (127.0.0.11, ...), so at
+   one did; acceptance: refused in under 50 ms; during within 1.3x), and how many Serve's proxy refused
+   (`proxy_guard`; `--no-proxy-guard` leaves them to the ingress). Each of the burst's clients sends from its own loopback address (127.0.0.11, ...), so at
    10 refusals a client a burst none is benched: every prompt is read, parsed and refused by the length check.
 
     python bench/front_door.py                       # SmolLM2-135M-Instruct demo (the default app)
@@ -47,7 +48,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(recipe: str, root: Path) -> tuple[str, str]:
+def start_app(recipe: str, root: Path, proxy_guard_on: bool = True) -> tuple[str, str]:
     """The real app on a local cluster -> (base URL, base model name)."""
     import ray
     from ray import serve
@@ -55,12 +56,16 @@ def start_app(recipe: str, root: Path) -> tuple[str, str]:
     from deployments.application import bind_app
     from deployments.bootstrap import bootstrap
     from deployments.config import load_config
+    from deployments.data_plane import proxy_guard
 
     registry = {"registry_db": str(root / "registry.db"), "blob_dir": str(root / "blobs"),
                 "materialize_dir": str(root / "materialized"), "upload_dir": str(root / "uploads")}
     args = {"demo_recipe": recipe, "num_replicas": 2, "api_keys": KEYS, "registry": registry,
-            "tenant_rates": {"other": {"rate": 1e6, "burst": 1e6}}}  # the measured tenant is never limited
+            "tenant_rates": {"other": {"rate": 1e6, "burst": 1e6}},  # the measured tenant is never limited
+            "proxy_prompt_guard": proxy_guard_on}
     cfg = bootstrap(load_config(args, env={}))
+    if cfg.proxy_prompt_guard:  # as build_app names it for the cluster `serve run` starts
+        proxy_guard.install(os.environ)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -168,6 +173,56 @@ def median(xs) -> float:
     return round(statistics.median(xs), 4) if xs else float("nan")
 
 
+def malformed(url: str, client, model: str, args) -> dict:
+    """1. Bodies that are not JSON."""
+    quiet = chat_latencies(client, model, n=args.samples)
+    broken = b'{"model": "' + model.encode() + b'", "messages": ['
+    proc, out = run_flood(url + "/v1/chat/completions", FLOOD, broken, args.flood, args.concurrency)
+    lat, flood = during(client, model, (proc, out, None))
+    flood.pop("_spans")
+    return {"flood": flood, "other_median_s": [median(quiet), median(lat)],
+            "ratio": round(median(lat) / median(quiet), 3), "other_requests_during": len(lat)}
+
+
+def refused_in_proxy(url: str) -> int:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return int(sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("loraserve_prompts_refused_in_proxy_total")))
+
+
+def long_prompts(url: str, client, model: str, args) -> dict:
+    """2. Prompts too long for the context: one at a time (how fast each is refused), then in bursts."""
+    import httpx
+
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * LONG_CHARS}]}).encode()
+    headers = {"Authorization": f"Bearer {PROBE}", "Content-Type": "application/json"}
+    probes = []
+    with httpx.Client(timeout=60) as http:
+        # the proxies read the ingress's published limits every few seconds: one refused there before the timing
+        deadline = time.monotonic() + (0 if args.no_proxy_guard else 20)
+        while refused_in_proxy(url) == 0 and time.monotonic() < deadline:
+            http.post(url + "/v1/chat/completions", content=body, headers=headers)
+            time.sleep(0.5)
+        for _ in range(args.probes):
+            t0 = time.perf_counter()
+            r = http.post(url + "/v1/chat/completions", content=body, headers=headers)
+            probes.append(time.perf_counter() - t0)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    quiet = chat_latencies(client, model, n=args.samples)
+    stop = mp.get_context("spawn").Event()
+    before = refused_in_proxy(url)
+    proc, out = run_flood(url + "/v1/chat/completions", LONG, body, args.long, args.long_concurrency, stop,
+                          args.long_pause, own_addresses=True)
+    lat, flood = during(client, model, (proc, out, stop), samples=args.samples)
+    hit = overlapping(lat, flood.pop("_spans"))
+    return {"bytes": len(body), "refused_s": {"median": median(probes), "max": round(max(probes), 4)},
+            "flood": flood, "refused_in_proxy": refused_in_proxy(url) - before,
+            "other_median_s": [median(quiet), median(hit)], "ratio": round(median(hit) / median(quiet), 3),
+            "other_requests_during": len(hit), "other_median_s_all_requests": median(lat)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", default="smollm2", choices=["smollm2", "quick", "toy"])
@@ -178,6 +233,8 @@ def main() -> None:
     ap.add_argument("--long-pause", type=float, default=3.0, help="seconds between bursts of long prompts")
     ap.add_argument("--probes", type=int, default=10)
     ap.add_argument("--samples", type=int, default=30, help="the other tenant's requests per window")
+    ap.add_argument("--parts", nargs="+", default=["malformed", "long"], choices=["malformed", "long"])
+    ap.add_argument("--no-proxy-guard", action="store_true", help="long prompts refused by the ingress alone")
     args = ap.parse_args()
 
     import httpx
@@ -185,40 +242,16 @@ def main() -> None:
     import ray
 
     root = Path(tempfile.mkdtemp(prefix="front-door-"))
-    url, model = start_app(args.recipe, root)
+    url, model = start_app(args.recipe, root, proxy_guard_on=not args.no_proxy_guard)
     client = openai.OpenAI(base_url=url + "/v1", api_key=OTHER, max_retries=0, timeout=120)
     chat_latencies(client, model, n=5)  # warm: both replicas, the ingress has its prompt bound
-    report: dict = {"app": {"recipe": args.recipe, "llm_replicas": 2, "engine": "the demo model on CPU"}}
+    report: dict = {"app": {"recipe": args.recipe, "llm_replicas": 2, "engine": "the demo model on CPU",
+                            "proxy_prompt_guard": not args.no_proxy_guard}}
 
-    # 1. malformed bodies
-    quiet = chat_latencies(client, model, n=args.samples)
-    broken = b'{"model": "' + model.encode() + b'", "messages": ['
-    proc, out = run_flood(url + "/v1/chat/completions", FLOOD, broken, args.flood, args.concurrency)
-    lat, flood = during(client, model, (proc, out, None))
-    flood.pop("_spans")
-    report["malformed"] = {"flood": flood, "other_median_s": [median(quiet), median(lat)],
-                           "ratio": round(median(lat) / median(quiet), 3), "other_requests_during": len(lat)}
-
-    # 2. long prompts
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * LONG_CHARS}]}).encode()
-    probes = []
-    with httpx.Client(timeout=60) as http:
-        for _ in range(args.probes):
-            t0 = time.perf_counter()
-            r = http.post(url + "/v1/chat/completions", content=body,
-                          headers={"Authorization": f"Bearer {PROBE}", "Content-Type": "application/json"})
-            probes.append(time.perf_counter() - t0)
-            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
-    quiet = chat_latencies(client, model, n=args.samples)
-    stop = mp.get_context("spawn").Event()
-    proc, out = run_flood(url + "/v1/chat/completions", LONG, body, args.long, args.long_concurrency, stop,
-                          args.long_pause, own_addresses=True)
-    lat, flood = during(client, model, (proc, out, stop), samples=args.samples)
-    hit = overlapping(lat, flood.pop("_spans"))
-    report["long_prompt"] = {"bytes": len(body), "refused_s": {"median": median(probes), "max": round(max(probes), 4)},
-                             "flood": flood, "other_median_s": [median(quiet), median(hit)],
-                             "ratio": round(median(hit) / median(quiet), 3), "other_requests_during": len(hit),
-                             "other_median_s_all_requests": median(lat)}
+    if "malformed" in args.parts:
+        report["malformed"] = malformed(url, client, model, args)
+    if "long" in args.parts:
+        report["long_prompt"] = long_prompts(url, client, model, args)
     print(json.dumps(report))
     ray.shutdown()
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -15,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 from deployments.bootstrap import bootstrap
 from deployments.canary import CanaryControllerDeployment
 from deployments.config import AppConfig, load_config
+from deployments.data_plane import proxy_guard
 from deployments.data_plane.ingress import OpenAIIngress
 from deployments.replica.llm_deployment import LLMDeployment
 from deployments.placement import PlacementControllerDeployment
@@ -65,5 +67,10 @@ def bind_app(cfg: AppConfig):
 
 
 def build_app(args: dict[str, Any]):
-    """Serve application builder: config from YAML/env/args, start-up registration, bind."""
-    return bind_app(bootstrap(load_config(args)))
+    """Serve application builder: config from YAML/env/args, start-up registration, bind. `serve run` calls it
+    before it starts a local Ray cluster, whose proxy then inherits the prompt guard's callback from this
+    process's environment (`AppConfig.proxy_prompt_guard`)."""
+    cfg = bootstrap(load_config(args))
+    if cfg.proxy_prompt_guard:
+        proxy_guard.install(os.environ)
+    return bind_app(cfg)

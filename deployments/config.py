@@ -174,6 +174,10 @@ class AppConfig(BaseModel):
     cold_load_wait_s: float = Field(30.0, gt=0, description="wait for a cold-load slot before answering 429")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_request_bytes: int = Field(2 * 2**20, ge=1024, description="larger request bodies get a 413 unread")
+    proxy_prompt_guard: bool = Field(
+        True, description="name the prompt guard (deployments.data_plane.proxy_guard) as Serve's proxy callback "
+        "for the Ray cluster `serve run` starts, so prompts too long for the context are refused in the proxy; "
+        "a cluster already running needs RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH in its environment instead")
     metrics_token: Optional[str] = Field(
         None, min_length=8, description="bearer token /metrics needs; None: /metrics is open and labels "
         "tenant-private adapters 'private'")

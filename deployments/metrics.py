@@ -210,6 +210,9 @@ class ServingMetrics:
                                     "benched caller)", ["scope"], registry=r)
         self.refusals_held = Counter("loraserve_rate_limited_held", "429 answers to a benched caller (one refused "
                                      "over and over) held back (refusal_hold)", registry=r)
+        self.proxy_refused = Counter("loraserve_prompts_refused_in_proxy", "Prompts too long for the context that "
+                                     "Serve's proxy refused before their body was sent here (proxy_guard)",
+                                     registry=r)
         self.cached_answers = Counter("loraserve_registry_cached_answers", "Answers from the last known registry "
                                       "state while the registry was unreachable, by what was asked", ["what"],
                                       registry=r)

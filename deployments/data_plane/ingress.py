@@ -18,6 +18,7 @@ from deployments.dependency_health import DependencyGauge, DependencyHealth, Dep
 from deployments.metrics import PlacementTiers, ServingMetrics
 from deployments.placement import PlacementReporter
 from deployments.data_plane.errors import APIError, error_response
+from deployments.data_plane import proxy_guard
 from deployments.data_plane.openai_api import IngressDeps, create_openai_app
 from deployments.data_plane.protocol import GenerateRequest, PromptBound, ReplicaUnavailable
 from deployments.data_plane.rate_limit import ColdLoadGate, RateLimiter, RedisRateLimiter, RefusalHold
@@ -109,6 +110,7 @@ class OpenAIIngress:
             admin_prefix=cfg.admin_prefix,
             registry_errors=(AdapterNotFound, AdapterDisabled),
             upload_prefix=f"{cfg.admin_prefix}/v1/uploads/",
+            publish_guard_limits=proxy_guard.publish,
         )
         self.deps.prompt_bound.get(self.deps.llm)  # asked now: known before the first long prompt comes
         if self.placement is not None:

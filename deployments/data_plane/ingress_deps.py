@@ -63,6 +63,8 @@ class IngressDeps:
     clock: Callable[[], float] = time.time
     # the replicas' prompt bound, asked of one in the background; until it answers prompts are checked on the replica
     prompt_bound: "KnownBound" = field(default_factory=lambda: KnownBound())
+    # (route prefix, GuardLimits) -> None: the limits for Serve's proxies (proxy_guard.publish); None: not published
+    publish_guard_limits: Optional[Callable[[str, Any], None]] = None
 
 
 @dataclass

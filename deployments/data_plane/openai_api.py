@@ -1,9 +1,10 @@
 """The OpenAI-compatible data plane as a FastAPI app built from injected parts.
 
 `create_openai_app(IngressDeps(...))` has no Ray in it: the Serve ingress passes an `llm` that calls the replicas
-through a deployment handle; unit tests pass a fake. The app is three layers, outermost first:
+through a deployment handle; unit tests pass a fake. The app is four layers, outermost first:
 - the front door (`front_door.FrontDoor`): API key -> the caller's bench (RefusalHold: a caller refused over and
   over) -> the tenant's rate limit, from the headers alone, before a byte of the body is read;
+- a prompt Serve's proxy refused as too long for the context (`proxy_guard`), answered without its body;
 - the body limit (`errors.BodyLimit`): a body over `max_request_bytes` is a 413 before it is parsed;
 - the routes (`openai_routes.OpenAIRoutes`), and one error vocabulary: every error answer is an OpenAI error body,
   counted by status and reason in `/metrics`, and every 4xx answer to a caller counts towards benching it. A
@@ -24,6 +25,7 @@ from deployments.data_plane.errors import APIError, BodyLimit
 from deployments.data_plane.front_door import FrontDoor, caller_of
 from deployments.data_plane.ingress_deps import IngressDeps, KnownBound, Limiter, LLMClient, Resolver
 from deployments.data_plane.openai_routes import OpenAIRoutes, unavailable
+from deployments.data_plane.proxy_guard import GuardedRefusals
 from deployments.dependency_health import DependencyUnavailable
 
 __all__ = ["create_openai_app", "IngressDeps", "KnownBound", "LLMClient", "Resolver", "Limiter"]
@@ -58,6 +60,14 @@ def create_openai_app(deps: IngressDeps) -> FastAPI:
         return 413, err.body()
 
     app.add_middleware(BodyLimit, limit=deps.max_request_bytes, refuse=too_large, exempt=deps.upload_prefix)
+
+    def refused_in_proxy(scope) -> None:
+        deps.hold.refused(str(caller_of(scope)))
+        m.proxy_refused.inc()
+
+    # behind the front door: a prompt the proxy's guard refused, its body dropped, answered without reading one
+    app.add_middleware(GuardedRefusals, bound=lambda: deps.prompt_bound.get(deps.llm), max_body=deps.max_request_bytes,
+                       answer=answer, refused=refused_in_proxy, publish=deps.publish_guard_limits)
     # added last, so it runs first: the caller is known, benched or charged before the body limit reads a byte
     app.add_middleware(FrontDoor, api_keys=deps.api_keys, limiter=deps.limiter, hold=deps.hold, answer=answer,
                        count_limited=lambda scope: m.rate_limited.labels(scope).inc(),

@@ -32,7 +32,7 @@ from deployments.metrics import CONTENT_TYPE
 from registry.api_docs import api_docs_page
 from router.keys import AdapterKey
 
-__all__ = ["OpenAIRoutes", "unavailable", "PRIVATE"]
+__all__ = ["OpenAIRoutes", "unavailable", "prompt_inputs", "PRIVATE"]
 
 PRIVATE = "private"  # the adapter label of tenant-private adapters in an open /metrics
 
@@ -82,7 +82,7 @@ def _sampling(body: Any, default_tokens: int, limit: int) -> tuple[dict[str, Any
     return {"max_tokens": max_tokens, **body.engine_sampling()}, explicit
 
 
-def _inputs(body: Any, chat: bool) -> dict[str, Any]:
+def prompt_inputs(body: Any, chat: bool) -> dict[str, Any]:
     """The prompt fields of the GenerateRequest of a parsed body."""
     if chat:
         return {"messages": [{"role": msg.role, "content": msg.text()} for msg in body.messages]}
@@ -195,7 +195,7 @@ class OpenAIRoutes:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         label, shown_tenant = "-", tenant if deps.metrics_token is not None else PRIVATE
         try:
-            inputs = _inputs(body, chat)
+            inputs = prompt_inputs(body, chat)
             _check_length(deps.prompt_bound.get(deps.llm), inputs, chat)
             target = await run_in_threadpool(_resolve, deps, body.model, tenant, rid)
             redact = target.private and deps.metrics_token is None

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from router.prefixes import prefix_fingerprint
 
-__all__ = ["GenerateRequest", "PromptBound", "ReplicaUnavailable", "error_chunk"]
+__all__ = ["CHARS", "TOKENS", "GenerateRequest", "PromptBound", "ReplicaUnavailable", "error_chunk"]
 
 
 class ReplicaUnavailable(Exception):
@@ -63,6 +63,9 @@ class GenerateRequest:
         return max(1, len(self.inputs())) * self.n
 
 
+CHARS, TOKENS = "chars", "tokens"  # the units a prompt's length is counted in (PromptBound.excess)
+
+
 @dataclass(frozen=True)
 class PromptBound:
     """The longest prompt a replica could take, as the ingress can check it without a tokenizer: no token of the
@@ -84,23 +87,30 @@ class PromptBound:
     def refusal_of(self, messages: Optional[list[dict]] = None, prompt: Optional[str] = None,
                    prompt_token_ids: Optional[list[int]] = None, prompts: Optional[list] = None) -> Optional[str]:
         """`refusal` of a request's prompt fields (GenerateRequest's names)."""
+        over = self.excess(messages, prompt, prompt_token_ids, prompts)
+        return None if over is None else self.refusal_for(*over)
+
+    def excess(self, messages: Optional[list[dict]] = None, prompt: Optional[str] = None,
+               prompt_token_ids: Optional[list[int]] = None, prompts: Optional[list] = None
+               ) -> Optional[tuple[str, int]]:
+        """(unit, count) of the first prompt whose length alone shows it cannot fit: `CHARS` of text or `TOKENS`
+        (token ids); None when none does."""
         if messages is not None:
-            return self._too_many_chars(sum(len(m.get("content") or "") for m in messages))
-        for one in prompts or [prompt if prompt is not None else prompt_token_ids]:
-            why = self._too_many_chars(len(one)) if isinstance(one, str) else self._too_many_ids(len(one))
-            if why is not None:
-                return why
-        return None
+            counts = [(CHARS, sum(len(m.get("content") or "") for m in messages))]
+        else:
+            counts = [(CHARS if isinstance(one, str) else TOKENS, len(one))
+                      for one in prompts or [prompt if prompt is not None else prompt_token_ids]]
+        return next(((unit, n) for unit, n in counts if self.refusal_for(unit, n) is not None), None)
 
-    def _too_many_ids(self, ids: int) -> Optional[str]:
-        if ids < self.max_model_len:  # the engine needs room for one completion token
+    def refusal_for(self, unit: str, count: int) -> Optional[str]:
+        """Why a prompt of `count` `unit`s cannot fit, or None when that count alone does not show it."""
+        if unit == TOKENS:
+            if count < self.max_model_len:  # the engine needs room for one completion token
+                return None
+            return f"the prompt has {count} tokens: this model's maximum context length is {self.max_model_len} tokens"
+        if count <= self.max_chars:
             return None
-        return f"the prompt has {ids} tokens: this model's maximum context length is {self.max_model_len} tokens"
-
-    def _too_many_chars(self, chars: int) -> Optional[str]:
-        if chars <= self.max_chars:
-            return None
-        return (f"the prompt has {chars} characters: more than this model's maximum context length of "
+        return (f"the prompt has {count} characters: more than this model's maximum context length of "
                 f"{self.max_model_len} tokens can hold (at most {self.chars_per_token} characters a token)")
 
 

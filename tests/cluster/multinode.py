@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import socket
 import tempfile
@@ -40,6 +41,9 @@ def start_cluster(root: Path, head_cpus: int = 2):
     import ray
     from ray.cluster_utils import Cluster
 
+    from deployments.data_plane import proxy_guard
+
+    proxy_guard.install(os.environ)  # every node's proxy, as `serve run deployments.app` and k8s/ name it
     temp_dir = Path(tempfile.mkdtemp(prefix="rmn-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     (root / "ray_temp_dir").write_text(str(temp_dir))
     # `Cluster` writes its address to /tmp/ray/ray_current_cluster, where any `ray.init()` without an address on

@@ -345,9 +345,9 @@ def main(argv=None) -> dict:
     p.add_argument("--s3", required=True, help="S3 endpoint URL (moto's server)")
     p.add_argument("--out", type=Path, help="write the report here as JSON")
     args = p.parse_args(argv)
-    from tests.deployments.serve_harness import aws_test_credentials
+    from tests.deployments.serve_harness import cluster_env
 
-    aws_test_credentials()  # moto takes any; the nodes' processes inherit them
+    cluster_env()  # moto takes any; the nodes' processes inherit them
     root = Path(tempfile.mkdtemp(prefix="loraserve-multinode-"))
     try:
         report = SCENARIOS[args.scenario](args.redis, args.s3, root)

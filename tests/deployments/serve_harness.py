@@ -136,7 +136,7 @@ def _start() -> ServeApp:
     reg = make_registry(cfg)
     _register_fixtures(reg, incoming, cfg.base_model_name, demo)
 
-    aws_test_credentials()
+    cluster_env()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -144,13 +144,17 @@ def _start() -> ServeApp:
     return ServeApp(f"http://127.0.0.1:{port}", cfg.base_model_name, demo, root, reg)
 
 
-def aws_test_credentials() -> None:
-    """Credentials for moto's S3 (it takes any) in this process, before Ray starts: its workers inherit them."""
+def cluster_env() -> None:
+    """What a Ray cluster this process starts inherits: credentials for moto's S3 (it takes any), and
+    the prompt guard named as Serve's proxy callback, as `serve run deployments.app` names it."""
     import os
+
+    from deployments.data_plane import proxy_guard
 
     for key, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                        ("AWS_DEFAULT_REGION", "us-east-1")):
         os.environ.setdefault(key, value)
+    proxy_guard.install(os.environ)
 
 
 def _stop(app: Optional[ServeApp]) -> None:
@@ -177,7 +181,7 @@ def deployed(cfg, app: str, route_prefix: str):
 
     owns = not ray.is_initialized()
     if owns:
-        aws_test_credentials()
+        cluster_env()
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -104,9 +104,9 @@ def app(tmp_path_factory):
         pytest.skip("SKIPPED LOUDLY: redis-server binary missing (apt-get install -y redis-server)")
     from deployments.bootstrap import bootstrap, demo_paths, make_registry, sha256_of_dir
     from deployments.config import load_config
-    from tests.deployments.serve_harness import aws_test_credentials, deployed
+    from tests.deployments.serve_harness import cluster_env, deployed
 
-    aws_test_credentials()
+    cluster_env()
     tmp = tmp_path_factory.mktemp("outage")
     redis, s3 = Redis(tmp), S3()
     redis.start()

@@ -86,6 +86,21 @@ def _cli(env: dict[str, str], *args: str) -> dict:
     return json.loads(out.stdout)
 
 
+def _refused_in_proxy(base_url: str, text: str, timeout_s: float = 30) -> float:
+    """Sends `text` as a chat prompt until /metrics counts a prompt refused in Serve's proxy (the proxy reads the
+    ingress's published limits every second until it has them) -> that count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": ADAPTERS[0], "messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        count = sum(float(line.split()[-1]) for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines()
+                    if line.startswith("loraserve_prompts_refused_in_proxy_total"))
+        if count or time.monotonic() > deadline:
+            return count
+        time.sleep(1)
+
+
 class LocalRayCluster:
     """`ray start --head --block` in its own process group, every port free and on loopback, its own temp dir
     (so no other Ray session on the machine finds it); stopped by ending exactly what it started."""
@@ -239,6 +254,9 @@ def test_manifest_serve_config_deploys_with_serve_deploy(tmp_path, moto_server):
             assert any(c.choices and c.choices[0].finish_reason for c in chunks)
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
             assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200  # the pods' probe route
+            # The pods' Serve proxies run the prompt guard (config.yaml names it): a prompt too long for the
+            # context is refused there, its body never sent to the ingress.
+            assert _refused_in_proxy(base_url, "x" * 1_000_000) >= 1
 
             # The replicas fetched the base model from S3 into the pod's cache volume.
             cache = Path(env["LORASERVE_CACHE"]) / "registry" / "materialized" / "_base" / base_name
