@@ -30,8 +30,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, MutableMapping, Optional
 
+from pydantic import ValidationError
+
 from deployments.data_plane.errors import APIError
 from deployments.data_plane.front_door import route_path
+from deployments.data_plane.openai_routes import prompt_inputs
+from deployments.data_plane.openai_schema import ChatCompletionRequest, CompletionRequest
 from deployments.data_plane.protocol import CHARS, TOKENS, PromptBound
 
 __all__ = ["CALLBACK", "CALLBACK_ENV", "HEADER", "GuardLimits", "GuardedRefusals", "PromptGuard", "install",
@@ -106,11 +110,6 @@ def read_published(prefix: str) -> Optional[GuardLimits]:
 def prompt_fields(body: Any, chat: bool) -> Optional[dict[str, Any]]:
     """The prompt fields (GenerateRequest's names) of a parsed JSON body, validated by the schema the ingress's
     route validates it with, or None when that schema refuses it (the ingress then answers it)."""
-    from pydantic import ValidationError
-
-    from deployments.data_plane.openai_routes import prompt_inputs
-    from deployments.data_plane.openai_schema import ChatCompletionRequest, CompletionRequest
-
     try:
         parsed = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError:
