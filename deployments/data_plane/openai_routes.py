@@ -32,7 +32,7 @@ from deployments.metrics import CONTENT_TYPE
 from registry.api_docs import api_docs_page
 from router.keys import AdapterKey
 
-__all__ = ["OpenAIRoutes", "unavailable", "prompt_inputs", "PRIVATE"]
+__all__ = ["OpenAIRoutes", "context_length_error", "unavailable", "prompt_inputs", "PRIVATE"]
 
 PRIVATE = "private"  # the adapter label of tenant-private adapters in an open /metrics
 
@@ -97,7 +97,12 @@ def _check_length(bound: Optional[PromptBound], inputs: dict[str, Any], chat: bo
     """A 400 for a prompt whose length alone shows it cannot fit the replicas' context (no tokenizer here)."""
     why = None if bound is None else bound.refusal_of(**inputs)
     if why is not None:
-        raise APIError(400, why, code="context_length_exceeded", param="messages" if chat else "prompt")
+        raise context_length_error(why, chat)
+
+
+def context_length_error(why: str, chat: bool) -> APIError:
+    """The 400 for a prompt that cannot fit, `why` from `PromptBound`, named as OpenAI names the field."""
+    return APIError(400, why, code="context_length_exceeded", param="messages" if chat else "prompt")
 
 
 class OpenAIRoutes:

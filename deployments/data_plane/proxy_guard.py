@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from deployments.data_plane.errors import APIError
 from deployments.data_plane.front_door import route_path
-from deployments.data_plane.openai_routes import prompt_inputs
+from deployments.data_plane.openai_routes import context_length_error, prompt_inputs
 from deployments.data_plane.openai_schema import ChatCompletionRequest, CompletionRequest
 from deployments.data_plane.protocol import CHARS, TOKENS, PromptBound
 
@@ -233,16 +233,17 @@ class GuardedRefusals:
         bound = self.bound()
         if bound is not None and self.publish is not None:
             self._publish(scope.get("root_path", ""), bound)
-        headers = dict(scope.get("headers") or ())
-        marked, chat = headers.get(HEADER), ROUTES.get(route_path(scope))
-        if marked is None or chat is None or scope.get("method") != "POST":
+        chat = ROUTES.get(route_path(scope)) if scope.get("method") == "POST" else None
+        headers = dict(scope.get("headers") or ()) if chat is not None else {}
+        marked = headers.get(HEADER)
+        if marked is None:
             return await self.app(scope, receive, send)
         unit, _, count = marked.decode("latin-1").partition(" ")
         why = bound.refusal_for(unit, int(count)) if bound is not None and unit in (CHARS, TOKENS) \
             and count.isdigit() else None
         if why is not None:
             self.refused(scope)
-            err = APIError(400, why, code="context_length_exceeded", param="messages" if chat else "prompt")
+            err = context_length_error(why, chat)
         elif headers.get(b"content-length") == b"0":  # the guard dropped the body on limits this ingress no longer has
             err = APIError(503, "the request's body was dropped on a stale prompt bound; send it again",
                            code="service_unavailable", headers={"Retry-After": "1"})
