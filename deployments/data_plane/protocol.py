@@ -100,16 +100,20 @@ class PromptBound:
         else:
             counts = [(CHARS if isinstance(one, str) else TOKENS, len(one))
                       for one in prompts or [prompt if prompt is not None else prompt_token_ids]]
-        return next(((unit, n) for unit, n in counts if self.refusal_for(unit, n) is not None), None)
+        return next(((unit, n) for unit, n in counts if not self.fits(unit, n)), None)
+
+    def fits(self, unit: str, count: int) -> bool:
+        """Whether a prompt of `count` `unit`s may fit (the replica's tokenizer decides)."""
+        if unit == TOKENS:
+            return count < self.max_model_len  # the engine needs room for one completion token
+        return count <= self.max_chars
 
     def refusal_for(self, unit: str, count: int) -> Optional[str]:
         """Why a prompt of `count` `unit`s cannot fit, or None when that count alone does not show it."""
-        if unit == TOKENS:
-            if count < self.max_model_len:  # the engine needs room for one completion token
-                return None
-            return f"the prompt has {count} tokens: this model's maximum context length is {self.max_model_len} tokens"
-        if count <= self.max_chars:
+        if self.fits(unit, count):
             return None
+        if unit == TOKENS:
+            return f"the prompt has {count} tokens: this model's maximum context length is {self.max_model_len} tokens"
         return (f"the prompt has {count} characters: more than this model's maximum context length of "
                 f"{self.max_model_len} tokens can hold (at most {self.chars_per_token} characters a token)")
 
