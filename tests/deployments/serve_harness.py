@@ -9,6 +9,7 @@ shuts Serve and Ray down.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import tempfile
@@ -155,6 +156,33 @@ def cluster_env() -> None:
                        ("AWS_DEFAULT_REGION", "us-east-1")):
         os.environ.setdefault(key, value)
     proxy_guard.install(os.environ)
+
+
+def refused_in_proxy(base_url: str, key: str, model: str, chars: int, timeout_s: float = 30) -> float:
+    """Sends a chat prompt of `chars` characters too many for the context (each answered 400
+    `context_length_exceeded`, the message naming the bound) until the app's /metrics counts one more prompt refused
+    in Serve's proxy (`proxy_guard`: a proxy reads the ingress's published limits every second until it has them)
+    -> how many more it counts than before the first (0: none within `timeout_s`). A scrape reads one ingress
+    replica's counters: with several, a fresh app's (all at 0 before) or one replica's count."""
+    import httpx
+
+    def count() -> float:
+        text = httpx.get(f"{base_url}/metrics", timeout=30).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("loraserve_prompts_refused_in_proxy_total"))
+
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * chars}]}).encode()
+    before, deadline = count(), time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(f"{base_url}/v1/chat/completions", content=body, timeout=60,
+                       headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages", r.text
+        assert "characters a token" in err["message"]
+        now = count()
+        if now > before or time.monotonic() > deadline:
+            return now - before
+        time.sleep(1)
 
 
 def _stop(app: Optional[ServeApp]) -> None:

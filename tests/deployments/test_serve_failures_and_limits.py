@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.deployments.serve_harness import AFFINITY_ADAPTERS, APP_NAME, KEYS, LOAD_KEY
+from tests.deployments.serve_harness import AFFINITY_ADAPTERS, APP_NAME, KEYS, LOAD_KEY, refused_in_proxy
 
 pytestmark = pytest.mark.slow
 ACME, GLOBEX = list(KEYS)[:2]
@@ -390,27 +390,9 @@ def test_a_prompt_past_the_replicas_bound_is_refused_in_serves_proxy(serve_app):
     proxy (its callback named as `serve run deployments.app` names it) refuses a 1.9 MB prompt without sending its
     body on, the ingress answering after it knows the caller. (That no replica saw it is pinned in-process,
     test_ingress_api and test_proxy_guard; how fast, bench/front_door.py.)"""
+    assert refused_in_proxy(serve_app.base_url, GLOBEX, serve_app.base_name, 1_900_000) > 0
     body = json.dumps({"model": serve_app.base_name, "messages": [{"role": "user", "content": "x" * 1_900_000}]})
-
-    def post(key):
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-        return httpx.post(serve_app.base_url + "/v1/chat/completions", content=body.encode(), timeout=60,
-                          headers=headers)
-
-    def in_proxy():
-        text = httpx.get(serve_app.base_url + "/metrics", timeout=30).text
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("loraserve_prompts_refused_in_proxy_total"))
-
-    before, deadline = in_proxy(), time.monotonic() + 30
-    while True:  # the proxy reads the published limits every few seconds: the first may be refused by the ingress
-        r = post(GLOBEX)
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages", r.text
-        assert "characters a token" in err["message"]
-        if in_proxy() > before or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert in_proxy() > before  # the ingress has one replica here: /metrics is its count
     for key in (None, "sk-not-a-key"):  # the caller is known first
-        assert post(key).status_code == 401
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        r = httpx.post(serve_app.base_url + "/v1/chat/completions", content=body.encode(), timeout=60, headers=headers)
+        assert r.status_code == 401

@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from tests.deployments.serve_harness import refused_in_proxy
 from tests.fixtures.services import free_port, run_redis_server
 from tests.k8s.manifest_kit import (HARDWARE_KEYS, REPO, configmap_data, container_env, one, ray_containers,
                                     secret_keys, serve_config)
@@ -84,21 +85,6 @@ def _cli(env: dict[str, str], *args: str) -> dict:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-def _refused_in_proxy(base_url: str, text: str, timeout_s: float = 30) -> float:
-    """Sends `text` as a chat prompt until /metrics counts a prompt refused in Serve's proxy (the proxy reads the
-    ingress's published limits every second until it has them) -> that count."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
-                       json={"model": ADAPTERS[0], "messages": [{"role": "user", "content": text}]})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
-        count = sum(float(line.split()[-1]) for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines()
-                    if line.startswith("loraserve_prompts_refused_in_proxy_total"))
-        if count or time.monotonic() > deadline:
-            return count
-        time.sleep(1)
 
 
 class LocalRayCluster:
@@ -256,7 +242,7 @@ def test_manifest_serve_config_deploys_with_serve_deploy(tmp_path, moto_server):
             assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200  # the pods' probe route
             # The pods' Serve proxies run the prompt guard (config.yaml names it): a prompt too long for the
             # context is refused there, its body never sent to the ingress.
-            assert _refused_in_proxy(base_url, "x" * 1_000_000) >= 1
+            assert refused_in_proxy(base_url, API_KEY, ADAPTERS[0], 1_000_000) >= 1
 
             # The replicas fetched the base model from S3 into the pod's cache volume.
             cache = Path(env["LORASERVE_CACHE"]) / "registry" / "materialized" / "_base" / base_name
