@@ -153,7 +153,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             x, delta if delta is not None else x, extra if extra is not None else x, weight, res, out, num_tokens, n,
             eps, x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
             res.stride(0), out.stride(0), *lora_args, HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None,
-            CHUNK=chunk, BK=bk, RB=min(block, 256), BLOCK_R=max(16, block_r), BLOCK_T=_RUN_ROWS,
+            CHUNK=chunk, BK=bk, RB=min(block, 128), BLOCK_R=max(16, block_r), BLOCK_T=_RUN_ROWS,
             IEEE=x.dtype == torch.float32, RANKS=_masks(ranks, settings),
             **_launch(num_tokens, x.device, settings.pdl_max_tokens), num_warps=settings.fold_run_warps)
     elif num_tokens:
@@ -566,7 +566,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None, *, settings: KernelSettings = _DE
     if num_tokens and runs and lora is not None:
         _silu_mul_runs_kernel[(num_tokens, nblocks)](
             gate_up, out, num_tokens, n, gate_up.stride(0), out.stride(0), *lora_args, BLOCK=block,
-            SB=min(block, max(16, 4096 // max(16, block_r, block_r2))), BLOCK_R=max(16, block_r),
+            SB=min(block, max(16, 2048 // max(16, block_r, block_r2))), BLOCK_R=max(16, block_r),
             BLOCK_R2=max(16, block_r2), SPLITS=triton.next_power_of_2(lora_args[9] or 1), BLOCK_T=_RUN_ROWS,
             IEEE=gate_up.dtype == torch.float32, RANKS=_masks(ranks, settings),
             **_launch(num_tokens, gate_up.device, settings.pdl_max_tokens), num_warps=settings.fold_run_warps)
