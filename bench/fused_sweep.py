@@ -6,8 +6,6 @@ each kernel timed as a CUDA graph of 16 calls (one per layer) beside the bytes i
 setting per kernel.
 
     python bench/fused_sweep.py [--rank 16]
-    python bench/fused_sweep.py --tokens 160 --run 5 --runs   # a verify pass's layout (k = 4): the norm, rotary and
-                                                               # SiLU kernels a token a program against a run a program
 """
 
 from __future__ import annotations
@@ -31,11 +29,11 @@ HBM = 4.3e12
 HIDDEN, INTER, Q, KV, HEADS, KVH, D, LAYERS = 2048, 8192, 2048, 512, 32, 8, 64, 16
 
 
-def layer_args(rank, tokens, slots, g, run=1):
+def layer_args(rank, tokens, slots, g):
     def r(*shape, std=1.0):
         return (torch.randn(*shape, device="cuda", generator=g) * std).bfloat16()
 
-    idx = (torch.arange(tokens, device="cuda") // run) % (slots - 1)  # runs of `run` tokens on one adapter
+    idx = torch.arange(tokens, device="cuda") % (slots - 1)
     qkv_w = Q + 2 * KV
     nblk = tokens * 40
     return {
@@ -52,29 +50,26 @@ def layer_args(rank, tokens, slots, g, run=1):
     }
 
 
-def norm_qkv(L, s=KernelSettings(), runs=False):
-    return tf.add_rms_norm(L["x"], L["delta"], L["w"], 1e-5, (L["a_qkv"], L["idx"]), settings=s, runs=runs)
+def norm_qkv(L, s=KernelSettings()):
+    return tf.add_rms_norm(L["x"], L["delta"], L["w"], 1e-5, (L["a_qkv"], L["idx"]), settings=s)
 
 
-def rope(L, part, s=KernelSettings(), runs=False):
+def rope(L, part, s=KernelSettings()):
     return tf.rope_write_kv(L["qkv"], L["cos"], L["sin"], L["kc"], L["vc"], L["slot_mapping"], HEADS, KVH,
-                            (part, L["b_qkv"], L["s_qkv"], L["idx"]), settings=s, runs=runs)
+                            (part, L["b_qkv"], L["s_qkv"], L["idx"]), settings=s)
 
 
-def silu(L, part, s=KernelSettings(), runs=False):
-    return tf.silu_mul(L["gate_up"], (part, L["b_gu"], L["s_gu"], L["a_down"], L["idx"]), settings=s, runs=runs)
+def silu(L, part, s=KernelSettings()):
+    return tf.silu_mul(L["gate_up"], (part, L["b_gu"], L["s_gu"], L["a_down"], L["idx"]), settings=s)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--run", type=int, default=1, help="consecutive tokens on one adapter (a sequence's k+1)")
-    ap.add_argument("--runs", action="store_true",
-                    help="only a token a program against a run a program (KernelSettings.fold_run_warps)")
     args = ap.parse_args()
     g = torch.Generator("cuda").manual_seed(0)
-    layers = [layer_args(args.rank, args.tokens, args.tokens // args.run + 1, g, args.run) for _ in range(LAYERS)]
+    layers = [layer_args(args.rank, args.tokens, args.tokens + 1, g) for _ in range(LAYERS)]
     parts = [norm_qkv(L)[2] for L in layers]
     gu_parts = [tf.add_rms_norm(L["x"], L["delta"], L["w"], 1e-5, (L["a_gu"], L["idx"]))[2] for L in layers]
     per_tok = 2 * args.rank  # bytes per element x rank
@@ -92,16 +87,6 @@ def main():
             best[kernel] = row
 
     base = KernelSettings()
-    if args.runs:
-        for label, runs, warps in (("token", False, 4), ("run", True, 2), ("run", True, 4), ("run", True, 8)):
-            s = replace(base, fold_run_warps=warps)
-            setting = {"program": label, "warps": warps if runs else None}
-            record("norm_qkv", setting, lambda L, i: norm_qkv(L, s, runs))
-            record("rope", setting, lambda L, i: rope(L, parts[i], s, runs))
-            record("silu", setting, lambda L, i: silu(L, gu_parts[i], s, runs))
-        for k, row in best.items():
-            print("BEST", k, json.dumps(row))
-        return
     for chunk, warps in itertools.product((64, 128, 256), (1, 2, 4)):
         s = replace(base, norm_chunk=chunk, norm_lora_warps=warps)
         record("norm_qkv", {"chunk": chunk, "warps": warps}, lambda L, i: norm_qkv(L, s))

@@ -113,23 +113,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LayerOps(Protocol):
     """The decoder layer's element-wise work between its matrix products (TorchOps is the reference).
 
-    add_rms_norm(x, delta, weight, eps, lora, extra, rows, multi) -> (x + delta, rms_norm(x + delta) * weight, part)
-    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions, multi) -> q
-    silu_mul(gate_up, lora, multi) -> (silu(gate) * up, part)
+    add_rms_norm(x, delta, weight, eps, lora, extra, rows) -> (x + delta, rms_norm(x + delta) * weight, part)
+    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions) -> q
+    silu_mul(gate_up, lora) -> (silu(gate) * up, part)
 
     Ops that fold LoRA (`fuses_lora`) say in which forwards (`folds_lora(num_tokens, multi, rank)`; `multi`: some
-    sequence has several tokens in it, as in a verify pass; `rank`: the slots'), take the `lora` arguments and `extra`
-    there, and also provide lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the others are
-    only ever passed None there. `multi` (the forward's) may change how kernels lay out their work, never results."""
+    sequence has several tokens in it, as in a verify pass; `rank`: the slots'), take the `lora` arguments and `extra` there, and also provide
+    lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the others are only ever passed None
+    there."""
 
     fuses_lora: bool
 
     def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool: ...
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
-    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None, multi=False) -> tuple: ...
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None) -> tuple: ...
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, multi=False) -> torch.Tensor: ...
-    def silu_mul(self, gate_up, lora=None, multi=False) -> tuple: ...
+                      positions=None) -> torch.Tensor: ...
+    def silu_mul(self, gate_up, lora=None) -> tuple: ...
 
 
 @dataclass
@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
         """Rotary + KV write, then paged attention -> [T, q_size]."""
         spec, (k_cache, v_cache) = self.spec, kv_cache
         q = ops.rope_write_kv(qkv, inp.cos, inp.sin, k_cache, v_cache, inp.meta.slot_mapping, spec.num_heads,
-                              spec.num_kv_heads, lora_args, inp.positions, multi=inp.meta.multi)
+                              spec.num_kv_heads, lora_args, inp.positions)
         out = paged_attention(q, k_cache, v_cache, inp.meta, spec.head_dim**-0.5, spec.sliding_windows[self.index])
         return out.reshape(-1, spec.q_size)
 
@@ -203,8 +203,7 @@ class DecoderLayer(nn.Module):
         The o delta and the down expand run on the side stream beside the o and down products, into float32
         buffers (`extra`) that the next norm kernel adds with the product. Returns (x, output, its extra)."""
         i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
-        multi = inp.meta.multi
-        x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra, multi=multi)
+        x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra)
         qkv = self.linear(h, self.qkv, self.qkv_bias)
         attn = self._attention(ops, qkv, kv_cache, inp, lora.expand_args(i, "qkv", part))
         with branch:
@@ -212,9 +211,9 @@ class DecoderLayer(nn.Module):
         o = self.linear(attn, self.o)
         branch.join()
         o, extra = self._reduce(o, extra)
-        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra, multi=multi)
+        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
         gate_up = self.linear(h, self.gate_up)
-        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part), multi=multi)
+        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
         with branch:
             extra = ops.expand_delta(*lora.expand_args(i, "down", part))
         down = self.linear(act, self.down)
@@ -359,7 +358,7 @@ class TorchOps:
         return False
 
     @staticmethod
-    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None, multi=False):
+    def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None):
         if rows is not None:
             x, delta = x[rows], None if delta is None else delta[rows]
             extra = None if extra is None else extra[rows]
@@ -371,7 +370,7 @@ class TorchOps:
 
     @staticmethod
     def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, multi=False):
+                      positions=None):
         if positions is not None:  # cos/sin are tables over positions
             cos, sin = cos[positions], sin[positions]
         d = k_cache.shape[-1]
@@ -383,6 +382,6 @@ class TorchOps:
         return q
 
     @staticmethod
-    def silu_mul(gate_up, lora=None, multi=False):
+    def silu_mul(gate_up, lora=None):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up, None

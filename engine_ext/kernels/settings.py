@@ -59,11 +59,6 @@ class KernelSettings:
     # rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90 against 3.61). 0: every such forward takes the
     # split kernels.
     fold_multi_token_ranks: int = 4096
-    # In those forwards, 1: the norm and SiLU kernels take a run of tokens sharing a slot a program (a sequence's
-    # k+1 verify tokens read each adapter tile once, as one tensor-core tile, launched with fold_run_warps); 0: a
-    # token a program, each token re-reading the tiles.
-    fold_runs: int = 0
-    fold_run_warps: int = 4
     # ---- programmatic dependent launch (pdl.py): the fused kernels and attention launch with it in forwards of up to
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel
     # before it shortens the forward); 0: never
@@ -93,7 +88,7 @@ class KernelSettings:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"KernelSettings.{f.name} must be an int, got {value!r}")
         for name in ("attn_warps", "norm_lora_warps", "rope_lora_warps", "silu_lora_warps", "shrink_warps",
-                     "expand_warps", "fp8_warps", "fold_run_warps"):
+                     "expand_warps", "fp8_warps"):
             _check_pow2(name, getattr(self, name), 1, 32)
         # Tile sides of tl.arange / tl.dot: powers of two, at least 16
         for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n"):
@@ -104,9 +99,8 @@ class KernelSettings:
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
-        for name in ("rank_masks", "fold_runs"):
-            if getattr(self, name) not in (0, 1):
-                raise ValueError(f"KernelSettings.{name} must be 0 or 1, got {getattr(self, name)}")
+        if self.rank_masks not in (0, 1):
+            raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         if self.pdl_max_tokens < 0:
             raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
         if self.fold_multi_token_ranks < 0:

@@ -35,12 +35,11 @@ from .pdl import launch as _launch
 from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .settings import KernelSettings
-from .triton_lora import expand_delta, lora_delta, run_rows, slot_rank
+from .triton_lora import expand_delta, lora_delta, slot_rank
 from .triton_lora import masks_ranks as _masks
 
 _DEFAULTS = KernelSettings()
 _SILU_BLOCK = 1024  # columns of one silu_mul program without LoRA
-_RUN_ROWS = 16  # tokens of one run in the run kernels (the smallest tensor-core tile; triton_lora's runs)
 
 
 def _rank_block(r: int) -> int:
@@ -106,14 +105,11 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, rows_ptr,
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, lora=None,
                  extra: torch.Tensor | None = None, rows: torch.Tensor | None = None, *,
-                 settings: KernelSettings = _DEFAULTS,
-                 runs: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 settings: KernelSettings = _DEFAULTS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(x + delta, weight * rms_norm(x + delta), LoRA shrink partials or None); with delta None, x itself.
 
     `lora`: (A [S, N, RT], slots [T]) or (A, slots, ranks [S] int32, R): also part[s, t] = h[t, chunk s] @
     A[slot[t], chunk s], reading each module's first ranks[slot] of its R columns (the rest is zero padding).
-    `runs` (with lora): a program a run of tokens sharing a slot, not a program a token (the same results, up
-    to the order of float32 sums).
     `extra` (float32 [T, N], needs delta): delta + extra, rounded to x's dtype, is what is added to x.
     `rows` (integer [M], without lora): only those rows, in that order (x[rows], delta[rows], extra[rows]
     without the gathers); the results then have M rows."""
@@ -147,16 +143,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     else:
         block_r, bk = 1, min(chunk, 2048)
         lora_args = (x, x, x, x, 0, 1, 0, 0, 0, 0, 0, 0)
-    if num_tokens and runs and lora is not None:
-        bk = max(16, min(chunk, 4096 // max(16, block_r)))
-        _add_rms_norm_runs_kernel[(num_tokens, splits)](
-            x, delta if delta is not None else x, extra if extra is not None else x, weight, res, out, num_tokens, n,
-            eps, x.stride(0), delta.stride(0) if delta is not None else 0, extra.stride(0) if extra is not None else 0,
-            res.stride(0), out.stride(0), *lora_args, HAS_DELTA=delta is not None, HAS_EXTRA=extra is not None,
-            CHUNK=chunk, BK=bk, RB=min(block, 128), BLOCK_R=max(16, block_r), BLOCK_T=_RUN_ROWS,
-            IEEE=x.dtype == torch.float32, RANKS=_masks(ranks, settings),
-            **_launch(num_tokens, x.device, settings.pdl_max_tokens), num_warps=settings.fold_run_warps)
-    elif num_tokens:
+    if num_tokens:
         _add_rms_norm_kernel[(num_tokens, splits)](
             x, delta if delta is not None else x, extra if extra is not None else x, weight, res, out,
             rows if rows is not None else x, n, eps,
@@ -168,72 +155,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
             num_warps=settings.norm_lora_warps if lora is not None else min(16, max(1, block // 256)))
     return res, out, part
 
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b in float32 (float32 operands at full precision, not TF32)."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _x_tile(x_ptr, d_ptr, e_ptr, t64, cols, mask, stride_x, stride_d, stride_e, HAS_DELTA: tl.constexpr,
-            HAS_EXTRA: tl.constexpr, dt: tl.constexpr):
-    """x (+ delta (+ extra), rounded as the per-token kernel rounds) at rows t64 and columns cols, in dt."""
-    xc = tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    if HAS_DELTA:
-        dc = tl.load(d_ptr + t64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_EXTRA:
-            dc = _rnd(dc + tl.load(e_ptr + t64[:, None] * stride_e + cols[None, :], mask=mask, other=0.0), dt)
-        xc = _rnd(xc.to(tl.float32) + dc, dt).to(dt)
-    return xc
-
-
-@triton.jit
-def _add_rms_norm_runs_kernel(x_ptr, d_ptr, e_ptr, w_ptr, res_ptr, out_ptr, T, N, eps, stride_x, stride_d, stride_e,
-                              stride_r, stride_o, a_ptr, slots_ptr, part_ptr, ranks_ptr, RT, R_SEG, skip_slot,
-                              stride_as, stride_ak, stride_ps, stride_pt, stride_rk, HAS_DELTA: tl.constexpr,
-                              HAS_EXTRA: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, RANKS: tl.constexpr,
-                              PDL: tl.constexpr):
-    """_add_rms_norm_kernel over a run of tokens sharing a slot (triton_lora.run_rows): the leader's program
-    normalises the run's rows and multiplies them by each A tile of its K chunk once, as one tensor-core tile."""
-    _wait_then_release(PDL)
-    split = tl.program_id(1)
-    slot, leader, offs_t, rows = run_rows(slots_ptr, tl.program_id(0), T, BLOCK_T)
-    if leader:
-        dt = out_ptr.dtype.element_ty
-        t64 = offs_t.to(tl.int64)
-        ss = tl.zeros([BLOCK_T], dtype=tl.float32)  # each row's sum of squares over the whole row
-        for c0 in range(0, N, RB):
-            cols = c0 + tl.arange(0, RB)
-            xr = _x_tile(x_ptr, d_ptr, e_ptr, t64, cols, rows[:, None] & (cols < N)[None, :], stride_x, stride_d,
-                         stride_e, HAS_DELTA, HAS_EXTRA, dt).to(tl.float32)
-            ss += tl.sum(xr * xr, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / N + eps)
-        do_lora = slot != skip_slot
-        offs_r = tl.arange(0, BLOCK_R)
-        mr = (offs_r < RT) & (offs_r % R_SEG < slot_rank(ranks_ptr, stride_rk, slot, R_SEG, RANKS))
-        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-        for kk in range(0, CHUNK, BK):
-            cols = split * CHUNK + kk + tl.arange(0, BK)
-            mc = cols < N
-            m2 = rows[:, None] & mc[None, :]
-            xc = _x_tile(x_ptr, d_ptr, e_ptr, t64, cols, m2, stride_x, stride_d, stride_e, HAS_DELTA, HAS_EXTRA, dt)
-            if HAS_DELTA:
-                tl.store(res_ptr + t64[:, None] * stride_r + cols[None, :], xc, mask=m2)
-            wc = tl.load(w_ptr + cols, mask=mc, other=0.0).to(tl.float32)
-            h = (wc[None, :] * _rnd(xc.to(tl.float32) * rstd[:, None], dt)).to(dt)
-            tl.store(out_ptr + t64[:, None] * stride_o + cols[None, :], h, mask=m2)
-            if do_lora:
-                av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r[None, :],
-                             mask=mc[:, None] & mr[None, :], other=0.0)
-                acc += _dot(h, av, IEEE)
-        if do_lora:
-            tl.store(part_ptr + split * stride_ps + t64[:, None] * stride_pt + offs_r[None, :], acc,
-                     mask=rows[:, None] & (offs_r[None, :] < RT))
 
 @triton.jit
 def _lora_row(part_ptr, scale_ptr, slot, t, seg, R, num_splits, stride_ps, stride_pt, stride_ss,
@@ -313,87 +234,16 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
         tl.store(dst + HALF + offs, x2.to(v_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _lora_rows(part_ptr, scale_ptr, slot, offs_t, rows, seg, R, num_splits, stride_ps, stride_pt, stride_ss,
-               SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, dt: tl.constexpr):
-    """_lora_row for a run's rows at once: [BLOCK_T, BLOCK_R] fp32, zero in the rows outside the run."""
-    offs_s = tl.arange(0, SPLITS)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask = (offs_s[:, None, None] < num_splits) & rows[None, :, None] & (offs_r[None, None, :] < R)
-    parts = tl.load(part_ptr + offs_s[:, None, None] * stride_ps + offs_t[None, :, None].to(tl.int64) * stride_pt
-                    + seg * R + offs_r[None, None, :], mask=mask, other=0.0)
-    return _rnd(tl.sum(parts, axis=0) * tl.load(scale_ptr + slot * stride_ss + seg).to(tl.float32), dt)
-
-
-
-@triton.jit
-def _rope_write_kv_runs_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot_ptr, T, num_heads, num_kv_heads,
-                               stride_t, stride_c, stride_s, stride_kb, stride_ks, stride_kh,
-                               part_ptr, b_ptr, scale_ptr, lslots_ptr, ranks_ptr, R, num_splits, skip_slot,
-                               stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_rk,
-                               PAGE: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr,
-                               POS: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr, RANKS: tl.constexpr,
-                               PDL: tl.constexpr):
-    """_rope_write_kv_kernel (with LoRA) over a run of tokens sharing a slot: the leader's program reads its head's
-    B columns once for the run's rows, as a tensor-core tile."""
-    _wait_then_release(PDL)
-    h = tl.program_id(1)
-    lslot, leader, offs_t, rows = run_rows(lslots_ptr, tl.program_id(0), T, BLOCK_T)
-    if leader:
-        t64 = offs_t.to(tl.int64)
-        offs = tl.arange(0, HALF)
-        m2 = rows[:, None] & (offs < HALF)[None, :]
-        src = qkv_ptr + t64[:, None] * stride_t + h * (2 * HALF) + offs[None, :]
-        dt = qkv_ptr.dtype.element_ty
-        x1 = tl.load(src, mask=m2, other=0.0)
-        x2 = tl.load(src + HALF, mask=m2, other=0.0)
-        if lslot != skip_slot:
-            seg = (h >= num_heads).to(tl.int32) + (h >= num_heads + num_kv_heads).to(tl.int32)
-            s = _lora_rows(part_ptr, scale_ptr, lslot, offs_t, rows, seg, R, num_splits, stride_ps, stride_pt,
-                           stride_ss, SPLITS, BLOCK_R, dt).to(dt)
-            offs_r = tl.arange(0, BLOCK_R)
-            mr = offs_r < slot_rank(ranks_ptr, stride_rk, lslot, R, RANKS)  # B's rows past it are zero padding
-            b_tile = b_ptr + lslot * stride_bs + offs_r[:, None] * stride_br + h * (2 * HALF) + offs[None, :]
-            x1 = (x1.to(tl.float32) + _dot(s, tl.load(b_tile, mask=mr[:, None], other=0.0), IEEE)).to(dt)
-            x2 = (x2.to(tl.float32) + _dot(s, tl.load(b_tile + HALF, mask=mr[:, None], other=0.0), IEEE)).to(dt)
-        if h < num_heads + num_kv_heads:
-            cs = t64  # each token's row of cos/sin: its own, or with POS (tables over positions) its position's
-            if POS:
-                cs = tl.load(pos_ptr + t64, mask=rows, other=0).to(tl.int64)
-            c1 = tl.load(cos_ptr + cs[:, None] * stride_c + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_ptr + cs[:, None] * stride_c + HALF + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + cs[:, None] * stride_s + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_ptr + cs[:, None] * stride_s + HALF + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            o1 = (_rnd(f1 * c1, dt) + _rnd(-f2 * s1, dt)).to(dt)
-            o2 = (_rnd(f2 * c2, dt) + _rnd(f1 * s2, dt)).to(dt)
-            if h < num_heads:
-                tl.store(src, o1, mask=m2)
-                tl.store(src + HALF, o2, mask=m2)
-            else:
-                slot = tl.load(slot_ptr + t64, mask=rows, other=0).to(tl.int64)
-                dst = (k_ptr + ((slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks)[:, None]
-                       + (h - num_heads) * stride_kh + offs[None, :])
-                tl.store(dst, o1.to(k_ptr.dtype.element_ty), mask=m2)
-                tl.store(dst + HALF, o2.to(k_ptr.dtype.element_ty), mask=m2)
-        else:
-            slot = tl.load(slot_ptr + t64, mask=rows, other=0).to(tl.int64)
-            dst = (v_ptr + ((slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks)[:, None]
-                   + (h - num_heads - num_kv_heads) * stride_kh + offs[None, :])
-            tl.store(dst, x1.to(v_ptr.dtype.element_ty), mask=m2)
-            tl.store(dst + HALF, x2.to(v_ptr.dtype.element_ty), mask=m2)
-
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  lora=None, positions: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS,
-                  runs: bool = False) -> torch.Tensor:
+                  lora=None, positions: torch.Tensor | None = None, *,
+                  settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """Rotate q and k of the fused [T, (H + 2 KVH) * D] qkv output, write k and v into the paged cache at
     `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place). cos/sin are [T, D], or with
     `positions` [T] tables over positions ([P, D], P above every position; CausalLM.build_rope_table).
 
     `lora`: (part [splits, T, 3R] from add_rms_norm, B [S, R, qkv width], scale [S, 3], slots [T][, ranks [S]
-    int32]): the q/k/v LoRA deltas are added first (to the q columns of qkv too), from B's first ranks[slot] rows.
-    `runs` (with lora): a program a run of tokens sharing a slot, as add_rms_norm's."""
+    int32]): the q/k/v LoRA deltas are added first (to the q columns of qkv too), from B's first ranks[slot] rows."""
     num_tokens, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1 or k_cache.stride(3) != 1:
@@ -411,16 +261,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         block_r = _rank_block(rank)
     else:
         lora_args, block_r = (qkv, qkv, qkv, qkv, qkv, 0, 0, 0, 0, 0, 0, 0, 0, 0), 1
-    if num_tokens and runs and lora is not None:
-        _rope_write_kv_runs_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
-            qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping,
-            num_tokens, num_heads, num_kv_heads,
-            qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, BLOCK_R=max(16, block_r),
-            SPLITS=triton.next_power_of_2(lora_args[6] or 1), POS=positions is not None, BLOCK_T=_RUN_ROWS,
-            IEEE=qkv.dtype == torch.float32, RANKS=_masks(ranks, settings),
-            **_launch(num_tokens, qkv.device, settings.pdl_max_tokens), num_warps=settings.fold_run_warps)
-    elif num_tokens:
+    if num_tokens:
         _rope_write_kv_kernel[(num_tokens, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping,
             num_heads, num_kv_heads,
@@ -482,62 +323,14 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         tl.store(dpart_ptr + nb * stride_ds + row * stride_dt + offs_r2, dacc, mask=offs_r2 < R2)
 
 
-@triton.jit
-def _silu_mul_runs_kernel(gu_ptr, out_ptr, T, N, stride_g, stride_o,
-                          part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, ranks_ptr, dranks_ptr, R,
-                          num_splits, R2, skip_slot, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as,
-                          stride_ak, stride_ds, stride_dt, stride_rk, stride_drk, BLOCK: tl.constexpr,
-                          SB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr,
-                          BLOCK_T: tl.constexpr, IEEE: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr):
-    """_silu_mul_kernel (with LoRA) over a run of tokens sharing a slot: the leader's program reads each B_gate_up
-    and A_down tile of its column block once for the run's rows, as tensor-core tiles."""
-    _wait_then_release(PDL)
-    nb = tl.program_id(1)
-    slot, leader, offs_t, rows = run_rows(slots_ptr, tl.program_id(0), T, BLOCK_T)
-    if leader:
-        dt = out_ptr.dtype.element_ty
-        t64 = offs_t.to(tl.int64)
-        do_lora = slot != skip_slot
-        offs_r = tl.arange(0, BLOCK_R)
-        offs_r2 = tl.arange(0, BLOCK_R2)
-        mr = offs_r < slot_rank(ranks_ptr, stride_rk, slot, R, RANKS)  # B_gate_up's rows the adapter fills
-        mr2 = offs_r2 < slot_rank(dranks_ptr, stride_drk, slot, R2, RANKS)  # and A_down's columns
-        sg = _lora_rows(part_ptr, scale_ptr, slot, offs_t, rows & do_lora, 0, R, num_splits, stride_ps, stride_pt,
-                        stride_ss, SPLITS, BLOCK_R, dt).to(dt)
-        su = _lora_rows(part_ptr, scale_ptr, slot, offs_t, rows & do_lora, 1, R, num_splits, stride_ps, stride_pt,
-                        stride_ss, SPLITS, BLOCK_R, dt).to(dt)
-        dacc = tl.zeros([BLOCK_T, BLOCK_R2], dtype=tl.float32)
-        for c0 in range(0, BLOCK, SB):
-            cols = nb * BLOCK + c0 + tl.arange(0, SB)
-            m = cols < N
-            m2 = rows[:, None] & m[None, :]
-            g = tl.load(gu_ptr + t64[:, None] * stride_g + cols[None, :], mask=m2, other=0.0)
-            u = tl.load(gu_ptr + t64[:, None] * stride_g + N + cols[None, :], mask=m2, other=0.0)
-            if do_lora:
-                b_tile = b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + cols[None, :]
-                bmask = mr[:, None] & m[None, :]
-                g = (g.to(tl.float32) + _dot(sg, tl.load(b_tile, mask=bmask, other=0.0), IEEE)).to(dt)
-                u = (u.to(tl.float32) + _dot(su, tl.load(b_tile + N, mask=bmask, other=0.0), IEEE)).to(dt)
-            gf = g.to(tl.float32)
-            act = (_rnd(gf / (1.0 + tl.exp(-gf)), dt) * u.to(tl.float32)).to(dt)
-            tl.store(out_ptr + t64[:, None] * stride_o + cols[None, :], act, mask=m2)
-            if do_lora:
-                av = tl.load(a_ptr + slot * stride_as + cols[:, None] * stride_ak + offs_r2[None, :],
-                             mask=m[:, None] & mr2[None, :], other=0.0)
-                dacc += _dot(act, av, IEEE)
-        if do_lora:
-            tl.store(dpart_ptr + nb * stride_ds + t64[:, None] * stride_dt + offs_r2[None, :], dacc,
-                     mask=rows[:, None] & (offs_r2[None, :] < R2))
-
-def silu_mul(gate_up: torch.Tensor, lora=None, *, settings: KernelSettings = _DEFAULTS,
-             runs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def silu_mul(gate_up: torch.Tensor, lora=None, *,
+             settings: KernelSettings = _DEFAULTS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(silu(gate_up[:, :N]) * gate_up[:, N:]  [T, N], down-shrink partials or None).
 
     `lora`: (part [splits, T, 2R] from add_rms_norm, B_gate_up [S, R, 2N], scale [S, 2], A_down [S, N, R2],
     slots [T][, ranks, down_ranks: [S] int32]): the gate/up deltas are added before the activation, and
     part_down[c, t] = act[t, block c] @ A_down[slot[t], block c] is returned for lora_expand; with the ranks, only
-    B_gate_up's first ranks[slot] rows and A_down's first down_ranks[slot] columns are read (the rest is zero).
-    `runs` (with lora): a program a run of tokens sharing a slot, as add_rms_norm's."""
+    B_gate_up's first ranks[slot] rows and A_down's first down_ranks[slot] columns are read (the rest is zero)."""
     num_tokens, width = gate_up.shape
     n = width // 2
     if gate_up.stride(1) != 1:
@@ -563,14 +356,7 @@ def silu_mul(gate_up: torch.Tensor, lora=None, *, settings: KernelSettings = _DE
         block_r = block_r2 = 1
         sb = block
         lora_args = (gate_up,) * 8 + (0,) * 15
-    if num_tokens and runs and lora is not None:
-        _silu_mul_runs_kernel[(num_tokens, nblocks)](
-            gate_up, out, num_tokens, n, gate_up.stride(0), out.stride(0), *lora_args, BLOCK=block,
-            SB=min(block, max(16, 2048 // max(16, block_r, block_r2))), BLOCK_R=max(16, block_r),
-            BLOCK_R2=max(16, block_r2), SPLITS=triton.next_power_of_2(lora_args[9] or 1), BLOCK_T=_RUN_ROWS,
-            IEEE=gate_up.dtype == torch.float32, RANKS=_masks(ranks, settings),
-            **_launch(num_tokens, gate_up.device, settings.pdl_max_tokens), num_warps=settings.fold_run_warps)
-    elif num_tokens:
+    if num_tokens:
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[9] or 1),
@@ -628,17 +414,16 @@ class TritonOps:
     def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool:
         return self.settings.folds_lora(num_tokens, multi, rank)
 
-    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None, multi=False):
-        return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings,
-                            runs=multi and self.settings.fold_runs == 1)
+    def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
+        return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)
 
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None, multi=False):
+                      positions=None):
         return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions,
-                             settings=self.settings, runs=multi and self.settings.fold_runs == 1)
+                             settings=self.settings)
 
-    def silu_mul(self, gate_up, lora=None, multi=False):
-        return silu_mul(gate_up, lora, settings=self.settings, runs=multi and self.settings.fold_runs == 1)
+    def silu_mul(self, gate_up, lora=None):
+        return silu_mul(gate_up, lora, settings=self.settings)
 
     def lora_delta(self, x, a, b, scale, slots, ranks=None):
         return lora_delta(x, a, b, scale, slots, ranks, settings=self.settings)

@@ -33,7 +33,7 @@ _DEFAULTS = KernelSettings()
 
 
 @triton.jit
-def run_rows(slots_ptr, t, T, BLOCK_T: tl.constexpr):
+def _run_rows(slots_ptr, t, T, BLOCK_T: tl.constexpr):
     """(slot, leader?, run tokens t + arange(BLOCK_T), mask of the run): tokens t.. that share t's slot.
 
     A token leads when it starts a run of equal slots or an aligned block of BLOCK_T tokens; its
@@ -69,7 +69,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, ranks_ptr, T, K, R, R_SEG,
                    RANKS: tl.constexpr):
     t = tl.program_id(0)
     split = tl.program_id(1)
-    slot, leader, offs_t, rows = run_rows(slots_ptr, t, T, BLOCK_T)
+    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
     if leader & (slot != skip_slot):
         offs_r = tl.arange(0, BLOCK_R)
         # the columns of A the slot's adapter fills: each module's first `rank` of its R_SEG
@@ -106,7 +106,7 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, ranks_ptr, T, N
                    SPLITS: tl.constexpr, STORE: tl.constexpr, RANKS: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
-    slot, leader, offs_t, rows = run_rows(slots_ptr, t, T, BLOCK_T)
+    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
     if leader & ((slot != skip_slot) | STORE):  # STORE: zero-slot runs store zeros (their partials are unset)
         seg = _segment(nb, BLOCK_N, SEG1, SEG2)
         offs_r = tl.arange(0, BLOCK_R)

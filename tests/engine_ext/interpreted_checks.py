@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|runs|ranks|lora|engine|fp8|growth
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine|fp8|growth
 """
 
 from __future__ import annotations
@@ -285,63 +285,6 @@ def engine():
     used.clear()
     assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "attn_rows_multi": 0}, **kernels) == ref
     assert not used  # every adapter-on forward of a forced cycle has several tokens of a sequence: none folded
-    assert run(speculative=spec, kernels={"fold_runs": 1}, **kernels) == ref  # verify passes a run a program
-    assert used
-
-
-def runs():
-    """The norm, rotary and SiLU kernels a run of tokens a program (KernelSettings.fold_runs: runs of a slot, cut at
-    aligned blocks of 16, beside single tokens and zero-slot runs) give the per-token kernels' results: the outputs,
-    the residual sums, the shrink partials, q and the cache writes; with a rank table too."""
-    from engine_ext.kernels import KernelSettings
-    from engine_ext.kernels import triton_fused as tf
-    from engine_ext.rope import cos_sin
-
-    g = torch.Generator().manual_seed(5)
-    hid, inter, S, R = 200, 300, 4, 8
-    # runs of 5 (a verify pass), one across the block boundary at 16, single tokens, the zero slot (3), a run of 19
-    slots = torch.tensor([0] * 5 + [1] * 5 + [2] + [3] * 4 + [1] * 5 + [2, 0] + [0] * 19 + [3, 1])
-    T = slots.numel()
-    ranks = torch.tensor([8, 3, 5, 0], dtype=torch.int32)
-    x, d, e = (torch.randn(T, hid, generator=g) for _ in range(3))
-    w = torch.randn(hid, generator=g)
-    aq, ag = torch.randn(S, hid, 3 * R, generator=g), torch.randn(S, hid, 2 * R, generator=g)
-    bg, ad = torch.randn(S, R, 2 * inter, generator=g), torch.randn(S, inter, R, generator=g)
-    sg = torch.rand(S, 2, generator=g)
-    live = slots != S - 1
-    H, KVH, D = 4, 2, 16
-    qs, kvs = H * D, KVH * D
-    bq, sq = torch.randn(S, R, qs + 2 * kvs, generator=g), torch.rand(S, 3, generator=g)
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-    kv_slots = torch.randperm(64, generator=g)[:T]
-    for st, rk in ((KernelSettings(norm_chunk=64), ()), (KernelSettings(rank_masks=1), (ranks, R))):
-        for delta, extra in ((None, None), (d, None), (d, e)):
-            ref = tf.add_rms_norm(x.clone(), delta, w, 1e-5, (aq, slots, *rk), extra, settings=st)
-            out = tf.add_rms_norm(x.clone(), delta, w, 1e-5, (aq, slots, *rk), extra, settings=st, runs=True)
-            _close(out[0], ref[0])
-            _close(out[1], ref[1])
-            _close(out[2][:, live], ref[2][:, live])
-        part = tf.add_rms_norm(x.clone(), d, w, 1e-5, (aq, slots, *rk), settings=st)[2]
-        qkv = torch.randn(T, qs + 2 * kvs, generator=g)
-        positions = torch.randint(0, 50, (T,), generator=g)
-        for tables in (cos_sin(inv, positions, torch.float32), cos_sin(inv, torch.arange(50), torch.float32)):
-            pos = positions if tables[0].shape[0] == 50 else None
-            caches = [torch.zeros(16, 4, KVH, D) for _ in range(4)]
-            args = (part, bq, sq, slots, *rk[:1])
-            q_ref = tf.rope_write_kv(qkv.clone(), *tables, caches[0], caches[1], kv_slots, H, KVH, args, pos,
-                                     settings=st)
-            q = tf.rope_write_kv(qkv.clone(), *tables, caches[2], caches[3], kv_slots, H, KVH, args, pos,
-                                 settings=st, runs=True)
-            _close(q, q_ref)
-            _close(caches[2], caches[0])
-            _close(caches[3], caches[1])
-        _, _, part = tf.add_rms_norm(x.clone(), d, w, 1e-5, (ag, slots, *rk), settings=st)
-        gu = torch.randn(T, 2 * inter, generator=g)
-        args = (part, bg, sg, ad, slots, *((ranks, ranks) if rk else ()))
-        act_ref, pd_ref = tf.silu_mul(gu.clone(), args, settings=st)
-        act, pd = tf.silu_mul(gu.clone(), args, settings=st, runs=True)
-        _close(act, act_ref)
-        _close(pd[:, live].sum(0), pd_ref[:, live].sum(0))
 
 def fp8():
     """The W8A16 GEMM against quantization.fp8_linear: decode-sized and prompt-sized products, ragged N and K, a bias,

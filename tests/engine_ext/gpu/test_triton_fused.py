@@ -238,15 +238,14 @@ def test_lora_folded_into_norm_rope_and_silu(dtype, tokens, rank, runs):
     _check_lora_folding(dtype, tokens, rank, runs, KernelSettings())
 
 
-def _check_lora_folding(dtype, tokens, rank, runs, settings, head_dim=64, multi=False):
+def _check_lora_folding(dtype, tokens, rank, runs, settings, head_dim=64):
     from functools import partial
 
     from engine_ext.kernels import triton_lora
     from engine_ext.kernels.triton_fused import TritonOps
 
     ops = TritonOps(settings, torch.device(DEV))
-    add_rms_norm, silu_mul = partial(ops.add_rms_norm, multi=multi), partial(ops.silu_mul, multi=multi)
-    rope_write_kv = partial(ops.rope_write_kv, multi=multi)
+    add_rms_norm, rope_write_kv, silu_mul = ops.add_rms_norm, ops.rope_write_kv, ops.silu_mul
     expand_delta = ops.expand_delta
     lora_expand = partial(triton_lora.lora_expand, settings=settings)
 
@@ -316,17 +315,6 @@ def _check_lora_folding(dtype, tokens, rank, runs, settings, head_dim=64, multi=
     res, h3, _ = add_rms_norm(x.clone(), y0, w, 1e-5, (a_qkv, slots), extra=extra)
     ref_res, ref_h3, _ = add_rms_norm(x.clone(), y_side, w, 1e-5, (a_qkv, slots))
     assert torch.equal(res, ref_res) and torch.equal(h3, ref_h3)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("tokens,rank,runs", [(160, 16, True), (40, 16, True), (160, 64, True), (32, 16, False)])
-def test_lora_folded_a_run_of_tokens_a_program(dtype, tokens, rank, runs):
-    """KernelSettings.fold_runs in a forward with several tokens of a sequence: the norm, rotary and SiLU kernels
-    take a run of tokens sharing a slot a program (runs of 5, as a k = 4 verify pass, and single tokens), same
-    results."""
-    from engine_ext.kernels import KernelSettings
-
-    _check_lora_folding(dtype, tokens, rank, runs, KernelSettings(fold_runs=1), multi=True)
 
 
 @pytest.mark.parametrize("setting", [
