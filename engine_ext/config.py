@@ -70,9 +70,8 @@ class EngineConfig:
     # rank-16 adapters in rank-64 slots cost a plain step at batch 32 +63% over rank-16 slots (H100, 1B; RESULTS
     # section 1, "Slot width"). An adapter wider than the slots widens them (to the next power of two, at most
     # max_lora_rank) when it first goes on the device, which recaptures the CUDA graphs then: seconds, once a width.
-    # None (the default until the growth has run on a GPU): max_lora_rank from the start. Tensor-parallel engines
-    # always start at max_lora_rank.
-    lora_slot_rank: int | None = None
+    # None: max_lora_rank from the start. Tensor-parallel engines always start at max_lora_rank.
+    lora_slot_rank: int | None = 16
     max_cpu_loras: int = 64  # adapters kept parsed in host memory (LRU)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb

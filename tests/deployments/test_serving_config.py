@@ -147,6 +147,15 @@ def test_fp8_weights_are_an_engine_setting_off_by_default_in_both_profiles(tmp_p
     assert load_config({"engine.quantization": "null"}, env={}).engine["quantization"] is None
 
 
+def test_adapter_slots_start_16_wide_and_null_starts_them_at_max_lora_rank(tmp_path):
+    from deployments.engine_settings import engine_config, resolve_engine
+
+    assert resolve_engine({})["lora_slot_rank"] == 16 and resolve_engine({}, num_gpus=1)["lora_slot_rank"] == 16
+    cfg = load_config({"engine.lora_slot_rank": "null"}, env={})  # `serve run deployments.app ...=null`
+    assert engine_config(cfg, str(tmp_path)).lora_slot_rank is None
+    assert engine_config(load_config({"engine.lora_slot_rank": "32"}, env={}), str(tmp_path)).lora_slot_rank == 32
+
+
 def test_flat_aliases_move_into_the_engine_section_and_may_not_disagree():
     cfg = load_config({"device": "cuda", "dtype": "float16", "num_gpus_per_replica": 1, "max_loras": 16,
                        "max_cpu_loras": 128}, env={})
