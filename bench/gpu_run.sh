@@ -82,6 +82,18 @@ for step in $STEPS; do
           pack
         done
       done ;;
+    lightload)  # issue 41, points 2-4: base-only, plain and gated on identical open-loop traffic, one engine per set.
+      # LIGHTLOAD_SETS: shape:rank:mix:runs (runs comma-separated); the default is the issue's matrix, more than one
+      # 10-minute call holds: run the 1B sets in one call and the 8B set in another
+      for set in ${LIGHTLOAD_SETS:-llama-3.2-1b:16:near:poisson:30,poisson:90,burst llama-3.2-1b:16:mixed:poisson:30,poisson:90,burst llama-3.2-1b:64:mixed:gamma:60:4,burst llama-3.1-8b:16:mixed:poisson:10,poisson:25,burst}; do
+        IFS=: read -r shape rank mix runs <<<"$set"
+        name="lightload-${shape#llama-}-r$rank-$mix"
+        timeout ${LIGHTLOAD_TIMEOUT:-240} python3 bench/serve_load.py --shape $shape --rank $rank --mix $mix --spec 4 \
+          --modes base plain gated --runs ${runs//,/ } --requests ${LIGHTLOAD_REQUESTS:-160} --warmup 30 --gate-trace \
+          --out "$OUT/$name.json" 2>"$OUT/$name.log" >/dev/null
+        echo "$name rc $?"; grep '^compare\|crash\|Error' "$OUT/$name.log" | cut -c1-400
+        pack
+      done ;;
     load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst
       timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null
