@@ -233,11 +233,14 @@ class AdapterSlots:
         self.synchronize()
         old_layout, old = self.layout, self.slab
         self.layout = SlotLayout.build(self.spec, rank)
-        self.slab = torch.zeros(old.shape[0], self.layout.numel, dtype=old.dtype, device=self.device)
-        for slot, name in enumerate(self.table):
-            if name is not None:
-                self._unpack(self.slab[slot], old[slot], old_layout)
-        self._views()
+        # A growth may come inside a step's inference mode (a request admitted between a cycle's passes): the new
+        # stacks are made as ordinary tensors all the same, so that copies outside it may write them later.
+        with torch.inference_mode(False):
+            self.slab = torch.zeros(old.shape[0], self.layout.numel, dtype=old.dtype, device=self.device)
+            for slot, name in enumerate(self.table):
+                if name is not None:
+                    self._unpack(self.slab[slot], old[slot], old_layout)
+            self._views()
         self.generation += 1
 
     def slot_of(self, name: str) -> int | None:

@@ -173,6 +173,19 @@ def test_slots_start_narrow_and_grow_for_a_wider_adapter_keeping_the_others():
     assert s.rank == 32 and s.generation == 2 and s.resident == ["narrow", "mixed", "widest"]
 
 
+def test_slots_grown_inside_inference_mode_take_copies_outside_it():
+    """The engine's steps run in inference mode and may admit a request (activating its adapter) between a cycle's
+    passes: the stacks a growth makes there are written by later copies made outside it."""
+    s = AdapterSlots(SPEC, 2, 16, torch.float32, CPU, rank=4)
+    wide, narrow = weights("wide", {"q_proj": 8}, seed=1), weights("narrow", {"o_proj": 2}, seed=2)
+    with torch.inference_mode():
+        load(s, wide)
+    assert s.rank == 8 and not s.slab.is_inference()
+    load(s, narrow)  # unpacked into its row outside inference mode
+    assert_slot_holds(s, 0, wide)
+    assert_slot_holds(s, 1, narrow)
+
+
 def test_a_wider_adapter_that_finds_no_slot_grows_nothing():
     s = AdapterSlots(SPEC, 1, 16, torch.float32, CPU, rank=4)
     load(s, weights("a", {"q_proj": 4}, seed=1))
