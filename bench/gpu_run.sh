@@ -33,6 +33,21 @@ DEFAULT_AB='{"shrink_warps": 4}'
 # The Triton kernels' launch settings for the decode.py steps (JSON; the ab step sets its winner)
 KERNEL_SETTINGS=${KERNEL_SETTINGS:-"{}"}
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
+# bench/serve_load.py once per set of open-loop runs on one engine: load_sets NAME MODES REQUESTS WARMUP EXTRA SET...,
+# each SET shape:rank:mix:runs (runs comma-separated); each run within ${<NAME>_TIMEOUT:-240} s (OPENLOOP_TIMEOUT, ...)
+load_sets() {
+  local prefix=$1 modes=$2 requests=$3 warmup=$4 extra=$5 set shape rank mix runs name limit
+  limit=$(eval echo "\${${prefix^^}_TIMEOUT:-240}")
+  shift 5
+  for set in "$@"; do
+    IFS=: read -r shape rank mix runs <<<"$set"
+    name="$prefix-${shape#llama-}-r$rank-$mix"
+    timeout $limit python3 bench/serve_load.py --shape $shape --rank $rank --mix $mix --spec 4 --modes $modes \
+      --runs ${runs//,/ } --requests $requests --warmup $warmup $extra --out "$OUT/$name.json" 2>"$OUT/$name.log" >/dev/null
+    echo "$name rc $?"; grep '^compare\|crash\|Error' "$OUT/$name.log" | cut -c1-400
+    pack
+  done
+}
 
 for step in $STEPS; do
   start=$SECONDS
@@ -57,16 +72,14 @@ for step in $STEPS; do
       echo "server rc $?: $(grep -E '^server |passed|failed' "$OUT/server.log" | tr '\n' ' ')" ;;
     openloop)  # issue 20: base-only, plain, gated and forced drafting on identical open-loop traffic at the 1B shape,
       # per rank and adapter mix (OPENLOOP_RANKS, OPENLOOP_MIXES), from light load to saturation (OPENLOOP_RUNS)
+      sets=()
       for rank in ${OPENLOOP_RANKS:-16 64}; do
         for mix in ${OPENLOOP_MIXES:-near mixed}; do
-          name="openloop-r$rank-$mix"
-          timeout ${OPENLOOP_TIMEOUT:-240} python3 bench/serve_load.py --shape llama-3.2-1b --rank $rank --mix $mix \
-            --modes base plain gated forced --runs ${OPENLOOP_RUNS:-poisson:30 poisson:90 burst} \
-            --requests ${OPENLOOP_REQUESTS:-200} --warmup 50 --out "$OUT/$name.json" 2>"$OUT/$name.log" >/dev/null
-          echo "$name rc $?"; grep '^compare\|crash' "$OUT/$name.log"
-          pack
+          runs=${OPENLOOP_RUNS:-poisson:30 poisson:90 burst}
+          sets+=("llama-3.2-1b:$rank:$mix:${runs// /,}")
         done
-      done ;;
+      done
+      load_sets openloop "base plain gated forced" ${OPENLOOP_REQUESTS:-200} 50 "" "${sets[@]}" ;;
     busy)  # issue 28: GPU busy fraction (torch.profiler: the union of kernel intervals over the run's wall time), tok/s
       # and host time per step for every mode on identical open-loop traffic, in this tree and in $AB_TREE (an
       # earlier commit unpacked beside it: git archive <commit> | tar -x -C .ab/<commit>), one shape at a time;
@@ -85,15 +98,7 @@ for step in $STEPS; do
     lightload)  # issue 41, points 2-4: base-only, plain and gated on identical open-loop traffic, one engine per set.
       # LIGHTLOAD_SETS: shape:rank:mix:runs (runs comma-separated); the default is the issue's matrix, more than one
       # 10-minute call holds: run the 1B sets in one call and the 8B set in another
-      for set in ${LIGHTLOAD_SETS:-llama-3.2-1b:16:near:poisson:30,poisson:90,burst llama-3.2-1b:16:mixed:poisson:30,poisson:90,burst llama-3.2-1b:64:mixed:gamma:60:4,burst llama-3.1-8b:16:mixed:poisson:10,poisson:25,burst}; do
-        IFS=: read -r shape rank mix runs <<<"$set"
-        name="lightload-${shape#llama-}-r$rank-$mix"
-        timeout ${LIGHTLOAD_TIMEOUT:-240} python3 bench/serve_load.py --shape $shape --rank $rank --mix $mix --spec 4 \
-          --modes base plain gated --runs ${runs//,/ } --requests ${LIGHTLOAD_REQUESTS:-160} --warmup 30 --gate-trace \
-          --out "$OUT/$name.json" 2>"$OUT/$name.log" >/dev/null
-        echo "$name rc $?"; grep '^compare\|crash\|Error' "$OUT/$name.log" | cut -c1-400
-        pack
-      done ;;
+      load_sets lightload "base plain gated" ${LIGHTLOAD_REQUESTS:-160} 30 --gate-trace ${LIGHTLOAD_SETS:-llama-3.2-1b:16:near:poisson:30,poisson:90,burst llama-3.2-1b:16:mixed:poisson:30,poisson:90,burst llama-3.2-1b:64:mixed:gamma:60:4,burst llama-3.1-8b:16:mixed:poisson:10,poisson:25,burst} ;;
     load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst
       timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null
