@@ -91,6 +91,11 @@ class LoRABatch:
         a, b, scale, _, ranks = self.groups[group]
         return a[layer], b[layer], scale[layer], self.slots, ranks
 
+    def fused_group_args(self, layer: int, group: str) -> tuple:
+        """(A, B, scale, slots, segments, ranks) of a fused group (q/k/v, gate/up) for its deltas."""
+        a, b, scale, segments, ranks = self.groups[group]
+        return a[layer], b[layer], scale[layer], self.slots, segments, ranks
+
     def add_group(self, layer: int, group: str, y: torch.Tensor, x: torch.Tensor) -> None:
         """The deltas of every module of `group` on the fused output y (columns in module order)."""
         if self.groups is not None:
@@ -114,22 +119,25 @@ class LayerOps(Protocol):
     """The decoder layer's element-wise work between its matrix products (TorchOps is the reference).
 
     add_rms_norm(x, delta, weight, eps, lora, extra, rows) -> (x + delta, rms_norm(x + delta) * weight, part)
-    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions) -> q
-    silu_mul(gate_up, lora) -> (silu(gate) * up, part)
+    rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions, extra) -> q
+    silu_mul(gate_up, lora, extra) -> (silu(gate) * up, part)
 
-    Ops that fold LoRA (`fuses_lora`) say in which forwards (`folds_lora(num_tokens, multi, rank)`; `multi`: some
-    sequence has several tokens in it, as in a verify pass; `rank`: the slots'), take the `lora` arguments and `extra` there, and also provide
-    lora_delta, expand_delta and side_branch (kernels/triton_fused.TritonOps); the others are only ever passed None
-    there."""
+    `extra` is a float32 delta added first (to delta in add_rms_norm). Ops that take LoRA math (`fuses_lora`) say
+    where, per forward (`lora_path(num_tokens, multi, rank)`; `multi`: some sequence has several tokens in it, as in
+    a verify pass; `rank`: the slots'): "fold" (the `lora` arguments of the element-wise kernels, DecoderLayer.
+    fused_lora), "beside" (float32 deltas computed beside each product, DecoderLayer.beside_lora) or "after" (the
+    LoRA op after each product, DecoderLayer.plain); they also provide lora_delta, group_delta, expand_delta and
+    side_branch (kernels/triton_fused.TritonOps). The others are only ever passed None as `lora` and `extra` of the
+    rotary and SiLU ops."""
 
     fuses_lora: bool
 
-    def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool: ...
+    def lora_path(self, num_tokens: int, multi: bool, rank: int) -> str: ...
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None) -> tuple: ...
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None) -> torch.Tensor: ...
-    def silu_mul(self, gate_up, lora=None) -> tuple: ...
+                      positions=None, extra=None) -> torch.Tensor: ...
+    def silu_mul(self, gate_up, lora=None, extra=None) -> tuple: ...
 
 
 @dataclass
@@ -163,11 +171,12 @@ class DecoderLayer(nn.Module):
         self.down = weights.empty(h, spec.intermediate_size, dtype)
 
     def _attention(self, ops: LayerOps, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                   inp: LayerInputs, lora_args: tuple | None = None) -> torch.Tensor:
+                   inp: LayerInputs, lora_args: tuple | None = None, extra: torch.Tensor | None = None,
+                   ) -> torch.Tensor:
         """Rotary + KV write, then paged attention -> [T, q_size]."""
         spec, (k_cache, v_cache) = self.spec, kv_cache
         q = ops.rope_write_kv(qkv, inp.cos, inp.sin, k_cache, v_cache, inp.meta.slot_mapping, spec.num_heads,
-                              spec.num_kv_heads, lora_args, inp.positions)
+                              spec.num_kv_heads, lora_args, inp.positions, extra)
         out = paged_attention(q, k_cache, v_cache, inp.meta, spec.head_dim**-0.5, spec.sliding_windows[self.index])
         return out.reshape(-1, spec.q_size)
 
@@ -207,7 +216,7 @@ class DecoderLayer(nn.Module):
         qkv = self.linear(h, self.qkv, self.qkv_bias)
         attn = self._attention(ops, qkv, kv_cache, inp, lora.expand_args(i, "qkv", part))
         with branch:
-            extra = ops.lora_delta(attn, *lora.group_args(i, "o"))
+            extra = ops.lora_delta(attn, *lora.group_args(i, "o"), multi=inp.meta.multi)
         o = self.linear(attn, self.o)
         branch.join()
         o, extra = self._reduce(o, extra)
@@ -216,6 +225,37 @@ class DecoderLayer(nn.Module):
         act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
         with branch:
             extra = ops.expand_delta(*lora.expand_args(i, "down", part))
+        down = self.linear(act, self.down)
+        branch.join()
+        down, extra = self._reduce(down, extra)
+        return x, down, extra
+
+    def beside_lora(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, extra: torch.Tensor | None,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer with every group's LoRA delta computed on the side stream while the group's base product runs
+        (the split kernels, float32 buffers): the rotary kernel adds q/k/v's, the SiLU kernel gate/up's, the next
+        norm kernels o's and down's. Returns (x, output, its extra), as fused_lora."""
+        i, lora, eps, branch, multi = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, inp.meta.multi
+        x, h, _ = ops.add_rms_norm(x, delta, self.input_norm, eps, None, extra)
+        with branch:
+            d_qkv = ops.group_delta(h, *lora.fused_group_args(i, "qkv"), multi=multi)
+        qkv = self.linear(h, self.qkv, self.qkv_bias)
+        branch.join()
+        attn = self._attention(ops, qkv, kv_cache, inp, extra=d_qkv)
+        with branch:
+            extra = ops.lora_delta(attn, *lora.group_args(i, "o"), multi=multi)
+        o = self.linear(attn, self.o)
+        branch.join()
+        o, extra = self._reduce(o, extra)
+        x, h, _ = ops.add_rms_norm(x, o, self.post_norm, eps, None, extra)
+        with branch:
+            d_gate_up = ops.group_delta(h, *lora.fused_group_args(i, "gate_up"), multi=multi)
+        gate_up = self.linear(h, self.gate_up)
+        branch.join()
+        act, _ = ops.silu_mul(gate_up, None, d_gate_up)
+        with branch:
+            extra = ops.lora_delta(act, *lora.group_args(i, "down"), multi=multi)
         down = self.linear(act, self.down)
         branch.join()
         down, extra = self._reduce(down, extra)
@@ -314,9 +354,11 @@ class CausalLM(nn.Module):
             (cos, sin), positions = cos_sin(self.inv_freq, meta.positions, x.dtype), None
         inp = LayerInputs(meta, cos, sin, positions, lora)
         delta = extra = None  # the last layer's output, not yet added to the residual stream x, and its LoRA delta
-        if self.folds_lora(lora, input_ids.shape[0], meta.multi):
+        path = self.lora_path(lora, input_ids.shape[0], meta.multi)
+        if path != "after":
             for layer, kv_cache in zip(self.layers, kv_caches):
-                x, delta, extra = layer.fused_lora(ops, x, delta, extra, kv_cache, inp)
+                layer_lora = layer.fused_lora if path == "fold" else layer.beside_lora
+                x, delta, extra = layer_lora(ops, x, delta, extra, kv_cache, inp)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, delta = layer.plain(ops, x, delta, kv_cache, inp)
@@ -337,12 +379,14 @@ class CausalLM(nn.Module):
         x = F.embedding(local.clamp(0, self.layout.vocab_rows - 1), self.embed) * mine[:, None].to(self.embed.dtype)
         return self.comm.all_reduce(x)
 
-    def folds_lora(self, lora: LoRABatch | None, num_tokens: int, multi: bool) -> bool:
-        """Whether a forward's LoRA math goes into the element-wise kernels (DecoderLayer.fused_lora) rather than the
-        LoRA op after each product (DecoderLayer.plain): with ops that fold it, the slots' fused group stacks, and a
-        forward the ops take (LayerOps.folds_lora; `multi`: some sequence has several tokens in it)."""
-        return (self.ops.fuses_lora and lora is not None and lora.groups is not None
-                and self.ops.folds_lora(num_tokens, multi, lora.rank))
+    def lora_path(self, lora: LoRABatch | None, num_tokens: int, multi: bool) -> str:
+        """Where a forward's LoRA math goes: "fold" (into the element-wise kernels, DecoderLayer.fused_lora), "beside"
+        (deltas computed beside each product, DecoderLayer.beside_lora), as ops that take it name it for the
+        forward (LayerOps.lora_path; `multi`: some sequence has several tokens in it) given the slots' fused group
+        stacks; otherwise "after" (the LoRA op after each product, DecoderLayer.plain; also without adapters)."""
+        if not (self.ops.fuses_lora and lora is not None and lora.groups is not None):
+            return "after"
+        return self.ops.lora_path(num_tokens, multi, lora.rank)
 
 
 class TorchOps:
@@ -354,8 +398,8 @@ class TorchOps:
     linear = staticmethod(F.linear)
 
     @staticmethod
-    def folds_lora(num_tokens: int, multi: bool, rank: int) -> bool:
-        return False
+    def lora_path(num_tokens: int, multi: bool, rank: int) -> str:
+        return "after"
 
     @staticmethod
     def add_rms_norm(x, delta, weight, eps, lora=None, extra=None, rows=None):
@@ -370,7 +414,9 @@ class TorchOps:
 
     @staticmethod
     def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None):
+                      positions=None, extra=None):
+        if extra is not None:  # float32 deltas of the q/k/v columns
+            qkv = (qkv.float() + extra).to(qkv.dtype)
         if positions is not None:  # cos/sin are tables over positions
             cos, sin = cos[positions], sin[positions]
         d = k_cache.shape[-1]
@@ -382,6 +428,8 @@ class TorchOps:
         return q
 
     @staticmethod
-    def silu_mul(gate_up, lora=None):
+    def silu_mul(gate_up, lora=None, extra=None):
+        if extra is not None:  # float32 deltas of the gate/up columns
+            gate_up = (gate_up.float() + extra).to(gate_up.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up, None

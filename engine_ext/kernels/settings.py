@@ -59,6 +59,14 @@ class KernelSettings:
     # rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90 against 3.61). 0: every such forward takes the
     # split kernels.
     fold_multi_token_ranks: int = 4096
+    # ---- LoRA beside the products (model.DecoderLayer.beside_lora): forwards that do not fold it, up to this many
+    # tokens, compute every group's delta with the split LoRA kernels on the side stream while the group's base
+    # product runs (the rotary, SiLU and norm kernels add the float32 deltas), instead of after each product on the
+    # main stream; 0: never. A verify pass takes this path when fold_multi_token_ranks is below its tokens x rank.
+    beside_lora_tokens: int = 0
+    # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
+    # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.
+    multi_run_tokens: int = 4
     # ---- programmatic dependent launch (pdl.py): the fused kernels and attention launch with it in forwards of up to
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel
     # before it shortens the forward); 0: never
@@ -103,6 +111,10 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         if self.pdl_max_tokens < 0:
             raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
+        if self.beside_lora_tokens < 0:
+            raise ValueError(f"KernelSettings.beside_lora_tokens must be >= 0, got {self.beside_lora_tokens}")
+        if self.multi_run_tokens < 1:
+            raise ValueError(f"KernelSettings.multi_run_tokens must be >= 1, got {self.multi_run_tokens}")
         if self.fold_multi_token_ranks < 0:
             raise ValueError(f"KernelSettings.fold_multi_token_ranks must be >= 0, got {self.fold_multi_token_ranks}")
         for name in ("fp8_stages", "fp8_programs", "fp8_split_steps"):
@@ -111,15 +123,17 @@ class KernelSettings:
         if self.attn_split_budget < 1:
             raise ValueError(f"KernelSettings.attn_split_budget must be >= 1, got {self.attn_split_budget}")
 
-    def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool:
-        """Whether the Triton layer ops fold a forward's LoRA math into their element-wise kernels
-        (model.LayerOps.folds_lora): forwards of one token per sequence up to FUSED_LORA_TOKENS (decode, one wave of
-        programs), forwards with several tokens of one sequence (`multi`) while num_tokens x `rank` (the slots'
-        rank) is at most fold_multi_token_ranks; the others apply it with the split LoRA kernels after each
-        product."""
-        if multi:
-            return num_tokens * rank <= self.fold_multi_token_ranks
-        return num_tokens <= FUSED_LORA_TOKENS
+    def lora_path(self, num_tokens: int, multi: bool, rank: int) -> str:
+        """Where the Triton layer ops put a forward's LoRA math (model.LayerOps.lora_path):
+
+        - "fold": into the element-wise kernels: forwards of one token per sequence up to FUSED_LORA_TOKENS (decode,
+          one wave of programs), forwards with several tokens of one sequence (`multi`) while num_tokens x `rank`
+          (the slots' rank) is at most fold_multi_token_ranks;
+        - "beside": the others up to beside_lora_tokens, each group's delta computed beside its product;
+        - "after": the rest, the split LoRA kernels after each product."""
+        if (num_tokens * rank <= self.fold_multi_token_ranks) if multi else num_tokens <= FUSED_LORA_TOKENS:
+            return "fold"
+        return "beside" if num_tokens <= self.beside_lora_tokens else "after"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KernelSettings:

@@ -35,7 +35,7 @@ from .pdl import launch as _launch
 from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .settings import KernelSettings
-from .triton_lora import expand_delta, lora_delta, slot_rank
+from .triton_lora import expand_delta, group_delta, lora_delta, slot_rank
 from .triton_lora import masks_ranks as _masks
 
 _DEFAULTS = KernelSettings()
@@ -183,9 +183,10 @@ def _expand_row(s, b_ptr, slot, R, col0, col_end, stride_bs, stride_br, NCOL: tl
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot_ptr, num_heads, num_kv_heads,
                           stride_t, stride_c, stride_s, stride_kb, stride_ks, stride_kh,
                           part_ptr, b_ptr, scale_ptr, lslots_ptr, ranks_ptr, R, num_splits, skip_slot,
-                          stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_rk,
+                          stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_rk, e_ptr, stride_e,
                           PAGE: tl.constexpr, HALF: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                          SPLITS: tl.constexpr, POS: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr):
+                          SPLITS: tl.constexpr, POS: tl.constexpr, RANKS: tl.constexpr, EXTRA: tl.constexpr,
+                          PDL: tl.constexpr):
     _wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -209,6 +210,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
             d2 = _expand_row(s, b_ptr, lslot, rank, col + HALF, col + 2 * HALF, stride_bs, stride_br, HALF, BLOCK_R)
             x1 = (x1.to(tl.float32) + d1).to(dt)
             x2 = (x2.to(tl.float32) + d2).to(dt)
+    if EXTRA:  # the q/k/v LoRA delta computed beside the product (float32)
+        e = e_ptr + t * stride_e + h * (2 * HALF)
+        x1 = (x1.to(tl.float32) + tl.load(e + offs)).to(dt)
+        x2 = (x2.to(tl.float32) + tl.load(e + HALF + offs)).to(dt)
     if h < num_heads + num_kv_heads:
         # torch: x * cos + cat(-x2, x1) * sin, every product and the sum rounded to the model dtype
         c1 = tl.load(cos_ptr + cs * stride_c + offs).to(tl.float32)
@@ -236,14 +241,17 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, slot
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  lora=None, positions: torch.Tensor | None = None, *,
+                  lora=None, positions: torch.Tensor | None = None, extra: torch.Tensor | None = None, *,
                   settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """Rotate q and k of the fused [T, (H + 2 KVH) * D] qkv output, write k and v into the paged cache at
     `slot_mapping`; returns q as a [T, H, D] view of qkv (rotated in place). cos/sin are [T, D], or with
     `positions` [T] tables over positions ([P, D], P above every position; CausalLM.build_rope_table).
 
     `lora`: (part [splits, T, 3R] from add_rms_norm, B [S, R, qkv width], scale [S, 3], slots [T][, ranks [S]
-    int32]): the q/k/v LoRA deltas are added first (to the q columns of qkv too), from B's first ranks[slot] rows."""
+    int32]): the q/k/v LoRA deltas are added first (to the q columns of qkv too), from B's first ranks[slot] rows.
+    `extra` (float32 [T, qkv width], without lora): the deltas themselves (triton_lora.group_delta), added first."""
+    if extra is not None and (lora is not None or extra.stride(1) != 1):
+        raise ValueError("rope_write_kv takes the q/k/v deltas as lora or as a unit-stride extra, not both")
     num_tokens, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     if qkv.stride(1) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1 or k_cache.stride(3) != 1:
@@ -266,8 +274,10 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
             qkv, cos, sin, positions if positions is not None else slot_mapping, k_cache, v_cache, slot_mapping,
             num_heads, num_kv_heads,
             qkv.stride(0), cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            *lora_args, PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
+            *lora_args, qkv if extra is None else extra, 0 if extra is None else extra.stride(0),
+            PAGE=k_cache.shape[1], HALF=head_dim // 2, LORA=lora is not None, BLOCK_R=block_r,
             SPLITS=triton.next_power_of_2(lora_args[6] or 1), POS=positions is not None, RANKS=_masks(ranks, settings),
+            EXTRA=extra is not None,
             **_launch(num_tokens, qkv.device, settings.pdl_max_tokens),
             num_warps=1 if lora is None else settings.rope_lora_warps)
     return qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
@@ -277,9 +287,9 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
                      part_ptr, b_ptr, scale_ptr, slots_ptr, a_ptr, dpart_ptr, ranks_ptr, dranks_ptr, R, num_splits,
                      R2, skip_slot, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_as, stride_ak,
-                     stride_ds, stride_dt, stride_rk, stride_drk, BLOCK: tl.constexpr, SB: tl.constexpr,
-                     LORA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R2: tl.constexpr, SPLITS: tl.constexpr,
-                     RANKS: tl.constexpr, PDL: tl.constexpr):
+                     stride_ds, stride_dt, stride_rk, stride_drk, e_ptr, stride_e, BLOCK: tl.constexpr,
+                     SB: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_R2: tl.constexpr,
+                     SPLITS: tl.constexpr, RANKS: tl.constexpr, EXTRA: tl.constexpr, PDL: tl.constexpr):
     _wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -312,6 +322,9 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
             du = _expand_row(su, b_ptr, slot, rank, N + nb * BLOCK + c0, 2 * N, stride_bs, stride_br, SB, BLOCK_R)
             g = (g.to(tl.float32) + dg).to(dt)
             u = (u.to(tl.float32) + du).to(dt)
+        if EXTRA:  # the gate/up LoRA delta computed beside the product (float32)
+            g = (g.to(tl.float32) + tl.load(e_ptr + row * stride_e + cols, mask=m, other=0.0)).to(dt)
+            u = (u.to(tl.float32) + tl.load(e_ptr + row * stride_e + N + cols, mask=m, other=0.0)).to(dt)
         gf = g.to(tl.float32)
         act = (_rnd(gf / (1.0 + tl.exp(-gf)), dt) * u.to(tl.float32)).to(dt)
         tl.store(out_ptr + row * stride_o + cols, act, mask=m)
@@ -323,14 +336,17 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, stride_g, stride_o,
         tl.store(dpart_ptr + nb * stride_ds + row * stride_dt + offs_r2, dacc, mask=offs_r2 < R2)
 
 
-def silu_mul(gate_up: torch.Tensor, lora=None, *,
+def silu_mul(gate_up: torch.Tensor, lora=None, extra: torch.Tensor | None = None, *,
              settings: KernelSettings = _DEFAULTS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(silu(gate_up[:, :N]) * gate_up[:, N:]  [T, N], down-shrink partials or None).
 
     `lora`: (part [splits, T, 2R] from add_rms_norm, B_gate_up [S, R, 2N], scale [S, 2], A_down [S, N, R2],
     slots [T][, ranks, down_ranks: [S] int32]): the gate/up deltas are added before the activation, and
     part_down[c, t] = act[t, block c] @ A_down[slot[t], block c] is returned for lora_expand; with the ranks, only
-    B_gate_up's first ranks[slot] rows and A_down's first down_ranks[slot] columns are read (the rest is zero)."""
+    B_gate_up's first ranks[slot] rows and A_down's first down_ranks[slot] columns are read (the rest is zero).
+    `extra` (float32 [T, 2N], without lora): the gate/up deltas themselves (triton_lora.group_delta), added first."""
+    if extra is not None and (lora is not None or extra.stride(1) != 1):
+        raise ValueError("silu_mul takes the gate/up deltas as lora or as a unit-stride extra, not both")
     num_tokens, width = gate_up.shape
     n = width // 2
     if gate_up.stride(1) != 1:
@@ -358,9 +374,11 @@ def silu_mul(gate_up: torch.Tensor, lora=None, *,
         lora_args = (gate_up,) * 8 + (0,) * 15
     if num_tokens:
         _silu_mul_kernel[(num_tokens, nblocks)](gate_up, out, n, gate_up.stride(0), out.stride(0), *lora_args,
+                                                gate_up if extra is None else extra,
+                                                0 if extra is None else extra.stride(0),
                                                 BLOCK=block, SB=sb, LORA=lora is not None, BLOCK_R=block_r,
                                                 BLOCK_R2=block_r2, SPLITS=triton.next_power_of_2(lora_args[9] or 1),
-                                                RANKS=_masks(ranks, settings),
+                                                RANKS=_masks(ranks, settings), EXTRA=extra is not None,
                                                 **_launch(num_tokens, gate_up.device, settings.pdl_max_tokens),
                                                 num_warps=settings.silu_lora_warps if lora is not None else 4)
     return out, dpart
@@ -395,11 +413,12 @@ class SideBranch:
 
 
 class TritonOps:
-    """model.TorchOps' contract in the fused kernels above, launched with `settings`. It folds LoRA
-    (`fuses_lora`) in the forwards `settings.folds_lora` names (decode steps, verify passes, prompts in graph-sized
-    passes): the model passes the LoRA arguments to the element-wise kernels, and computes the o and down LoRA
-    deltas (`lora_delta`, `expand_delta`: float32 buffers) on `side_branch` beside their products, for the next
-    add_rms_norm's `extra`.
+    """model.TorchOps' contract in the fused kernels above, launched with `settings`. It takes the LoRA math
+    (`fuses_lora`) of the forwards `settings.lora_path` names: "fold" (decode steps, verify passes, prompts in
+    graph-sized passes), where the model passes the LoRA arguments to the element-wise kernels and computes the o
+    and down LoRA deltas (`lora_delta`, `expand_delta`: float32 buffers) on `side_branch` beside their products,
+    for the next add_rms_norm's `extra`; "beside", where every group's delta is such a buffer (`group_delta`,
+    `lora_delta`), added by the rotary, SiLU and norm kernels.
 
     The products stay cuBLAS's (F.linear): at decode sizes it is faster than a split-K Triton GEMM with the
     LoRA expands in its epilogue for every product but the LM head (`git show 211e305:bench/RESULTS.md`)."""
@@ -411,22 +430,31 @@ class TritonOps:
         self.settings = settings
         self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
 
-    def folds_lora(self, num_tokens: int, multi: bool, rank: int) -> bool:
-        return self.settings.folds_lora(num_tokens, multi, rank)
+    def lora_path(self, num_tokens: int, multi: bool, rank: int) -> str:
+        return self.settings.lora_path(num_tokens, multi, rank)
 
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)
 
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
-                      positions=None):
+                      positions=None, extra=None):
         return rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora, positions,
-                             settings=self.settings)
+                             extra, settings=self.settings)
 
-    def silu_mul(self, gate_up, lora=None):
-        return silu_mul(gate_up, lora, settings=self.settings)
+    def silu_mul(self, gate_up, lora=None, extra=None):
+        return silu_mul(gate_up, lora, extra, settings=self.settings)
 
-    def lora_delta(self, x, a, b, scale, slots, ranks=None):
-        return lora_delta(x, a, b, scale, slots, ranks, settings=self.settings)
+    def _run_tokens(self, multi: bool) -> int:
+        return self.settings.multi_run_tokens if multi else 1
+
+    def lora_delta(self, x, a, b, scale, slots, ranks=None, multi=False):
+        """One module's delta ([T, out] float32); `multi`: the forward has several tokens of a sequence."""
+        return lora_delta(x, a, b, scale, slots, ranks, run_tokens=self._run_tokens(multi), settings=self.settings)
+
+    def group_delta(self, x, a, b, scale, slots, segments, ranks=None, multi=False):
+        """A fused group's deltas ([T, out_total] float32)."""
+        return group_delta(x, a, b, scale, slots, segments, ranks, run_tokens=self._run_tokens(multi),
+                           settings=self.settings)
 
     def expand_delta(self, part, b, scale, slots, ranks=None):
         return expand_delta(part, b, scale, slots, ranks, settings=self.settings)

@@ -143,17 +143,19 @@ def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int,
-                ranks: torch.Tensor | None = None, segment: int | None = None, *,
+                ranks: torch.Tensor | None = None, segment: int | None = None, *, run_tokens: int = 1,
                 settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """part[s, t, :] summed over s = x[t] @ A[slot[t]]   -> [splits, T, R] float32 (rows of skipped tokens undefined).
     `ranks` ([S] int32, AdapterSlots.group_rank): only each module's first ranks[slot] of its `segment` columns
-    (default: all of A's) are read, the rest being zero padding."""
+    (default: all of A's) are read, the rest being zero padding. `run_tokens`: the tokens a run of one slot is taken
+    to hold (a verify pass's k + 1), so the K splits keep about _TARGET_PROGRAMS leaders busy."""
     num_tokens, fan_in = x.shape
     rank = a.shape[2]
     block_r, block_k = _tile(rank)
     block_k = min(block_k, triton.next_power_of_2(fan_in))
     chunks = triton.cdiv(fan_in, block_k)
-    splits = max(1, min(chunks, triton.cdiv(_TARGET_PROGRAMS, max(num_tokens, 1))))
+    runs = triton.cdiv(max(num_tokens, 1), run_tokens)
+    splits = max(1, min(chunks, triton.cdiv(_TARGET_PROGRAMS, runs)))
     k_per_split = triton.cdiv(chunks, splits) * block_k
     splits = triton.cdiv(fan_in, k_per_split)
     part = torch.empty(splits, num_tokens, rank, dtype=torch.float32, device=x.device)
@@ -208,13 +210,35 @@ def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-               ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
+               ranks: torch.Tensor | None = None, *, run_tokens: int = 1,
+               settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """(x[t] @ A[slot[t]]) @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32 (the rank-space product rounded
     to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it. `ranks`
-    ([S] int32): each slot's rank, past which A and B are zero padding and not read."""
+    ([S] int32): each slot's rank, past which A and B are zero padding and not read; `run_tokens` as lora_shrink's."""
     _check(x, x, a, b)
-    part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, settings=settings)
+    part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, run_tokens=run_tokens, settings=settings)
     return expand_delta(part, b, scale, slots, ranks, settings=settings)
+
+
+def group_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
+                segments: tuple[int, ...], ranks: torch.Tensor | None = None, *, run_tokens: int = 1,
+                settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
+    """lora_delta for every module of a fused group (add_lora_group_triton's arguments): [T, out_total] float32,
+    module seg's delta in its columns, zero on the zero slot."""
+    _check(x, x, a, b)
+    skip_slot, rank = a.shape[0] - 1, b.shape[1]
+    out = torch.empty(x.shape[0], b.shape[2], dtype=torch.float32, device=b.device)
+    if any(start & -start < 16 for start in segments[1:]):  # no >= 16-column tile fits between module starts
+        ends = list(segments[1:]) + [out.shape[1]]
+        for seg, (start, end) in enumerate(zip(segments, ends)):
+            part = lora_shrink(x, a[:, :, seg * rank : (seg + 1) * rank], slots, skip_slot, ranks,
+                               run_tokens=run_tokens, settings=settings)
+            lora_expand(out[:, start:end], part, b[:, :, start:end], scale[:, seg], slots, skip_slot, store=True,
+                        ranks=ranks, settings=settings)
+        return out
+    part = lora_shrink(x, a, slots, skip_slot, ranks, rank, run_tokens=run_tokens, settings=settings)
+    lora_expand(out, part, b, scale, slots, skip_slot, segments, store=True, ranks=ranks, settings=settings)
+    return out
 
 
 def _check(y, x, a, b) -> None:

@@ -68,6 +68,7 @@ def attention():
 
 def fused():
     from engine_ext.kernels import triton_fused as tf
+    from engine_ext.kernels import triton_lora as tlr
     from engine_ext.kernels.triton_lora import lora_expand
     from engine_ext.model import TorchOps
     from engine_ext.rope import cos_sin
@@ -120,6 +121,17 @@ def fused():
     _close(q2, q1)
     _close(caches[2], caches[0])
     _close(caches[3], caches[1])
+    # the q/k/v deltas as a float32 buffer computed beside the product (DecoderLayer.beside_lora)
+    d_qkv = tlr.group_delta(h, aq, bq, sq, slots, (0, qs, qs + kvs), run_tokens=2)
+    _close(d_qkv + qkv, ref_group(qkv, h, aq, bq, sq, (0, qs, qs + kvs)))
+    caches_e = [torch.zeros(8, 4, KVH, D) for _ in range(2)]
+    q_e = tf.rope_write_kv(qkv.clone(), cos, sin, *caches_e, kv_slots, H, KVH, extra=d_qkv)
+    _close(q_e, q1)
+    _close(caches_e[0], caches[0])
+    _close(caches_e[1], caches[1])
+    q_t = TorchOps.rope_write_kv(qkv.clone(), cos, sin, *[torch.zeros(8, 4, KVH, D) for _ in range(2)], kv_slots, H,
+                                 KVH, extra=d_qkv)
+    _close(q_t, q1)
     table = cos_sin(inv, torch.arange(12), torch.float32)  # cos/sin over positions, read by each token's position
     caches += [torch.zeros(8, 4, KVH, D) for _ in range(2)]
     q3 = tf.rope_write_kv(qkv.clone(), *table, caches[4], caches[5], kv_slots, H, KVH, lora=(part, bq, sq, slots),
@@ -130,6 +142,9 @@ def fused():
     act_ref = TorchOps.silu_mul(ref_group(gu, h, ag, bg, sg, (0, inter)))[0]
     act, part_d = tf.silu_mul(gu.clone(), lora=(part_g, bg, sg, ad, slots))
     _close(act, act_ref)
+    d_gu = tlr.group_delta(h, ag, bg, sg, slots, (0, inter))
+    _close(tf.silu_mul(gu.clone(), extra=d_gu)[0], act_ref)
+    _close(TorchOps.silu_mul(gu.clone(), extra=d_gu)[0], act_ref)
     y0 = torch.randn(T, hid, generator=g)
     y = y0.clone()
     lora_expand(y, part_d, bd, sd, slots, S - 1)
@@ -230,6 +245,20 @@ def lora():
         delta = tlr.lora_delta(x, a, b, sc, idx)  # the whole delta, float32, into a buffer of its own
         assert delta.dtype == torch.float32 and torch.all(delta[idx == S - 1] == 0)
         _close(delta + y0, ref)
+        for run_tokens in (3, 64):  # K splits sized by runs of a verify pass's tokens: the same delta
+            _close(tlr.lora_delta(x, a, b, sc, idx, run_tokens=run_tokens) + y0, ref)
+    # a fused group's deltas, with 16-aligned module starts (one launch each) and without (one per module)
+    for segs, fout in (((0, 32, 48), 64), ((0, 40), 72)):
+        t, fin, r, S = 12, 96, 8, 3
+        a, b = torch.randn(S, fin, len(segs) * r, generator=g), torch.randn(S, r, fout, generator=g)
+        a[-1], b[-1] = 0, 0
+        sc, x = torch.rand(S, len(segs), generator=g), torch.randn(t, fin, generator=g)
+        idx = torch.tensor([0, 0, 0, 1, 1, 2, 2, 0, 1, 1, 1, 1])
+        ref, out = torch.zeros(t, fout), torch.zeros(t, fout)
+        tlr.add_lora_group_triton(ref, x, a, b, sc, idx, segs)
+        delta = tlr.group_delta(x, a, b, sc, idx, segs, run_tokens=4)
+        assert torch.all(delta[idx == S - 1] == 0)
+        _close(delta, ref)
 
 
 def engine():
@@ -259,9 +288,9 @@ def engine():
     used = []
     lora_delta = TritonOps.lora_delta
 
-    def counted(self, *args):
+    def counted(self, *args, **kw):
         used.append(1)
-        return lora_delta(self, *args)
+        return lora_delta(self, *args, **kw)
 
     TritonOps.lora_delta = counted
     assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton") == ref
@@ -285,6 +314,17 @@ def engine():
     used.clear()
     assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "attn_rows_multi": 0}, **kernels) == ref
     assert not used  # every adapter-on forward of a forced cycle has several tokens of a sequence: none folded
+    # ...and with beside_lora_tokens, every group's delta beside its product (prompts and verify passes)
+    besides = []
+    group_delta = TritonOps.group_delta
+
+    def counted_group(self, *args, **kw):
+        besides.append(kw.get("multi"))
+        return group_delta(self, *args, **kw)
+
+    TritonOps.group_delta = counted_group
+    assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "beside_lora_tokens": 4096}, **kernels) == ref
+    assert besides and all(besides) and used  # group_delta for q/k/v and gate/up, lora_delta for o and down
 
 def fp8():
     """The W8A16 GEMM against quantization.fp8_linear: decode-sized and prompt-sized products, ragged N and K, a bias,

@@ -1,5 +1,5 @@
 """The kernels an engine runs are chosen once from its EngineConfig (backend.Backend) and the model is built
-with its element-wise ops; only ops that fold LoRA take the LoRA math, and only for decode and verify-sized forwards."""
+with its element-wise ops; only ops that take LoRA math do, folded into decode and verify-sized forwards, beside the products in larger ones."""
 
 from types import SimpleNamespace
 
@@ -27,36 +27,45 @@ def test_the_plain_torch_backend(tmp_path, lora_backend, op):
     assert backend.lora_op is op and backend.group_lora_op is None and backend.attention is None
 
 
-def test_torch_ops_never_fold_lora():
+def test_torch_ops_never_take_lora_math():
     model = CausalLM(SPEC, torch.float32, TorchOps())
-    assert not model.folds_lora(GROUPED, 1, False)
-    assert not model.folds_lora(GROUPED, 8, True)
+    assert model.lora_path(GROUPED, 1, False) == "after"
+    assert model.lora_path(GROUPED, 8, True) == "after"
 
 
 class _FoldingOps(TorchOps):
-    """Ops that fold LoRA by the Triton ops' rule (KernelSettings.folds_lora), verify forwards of up to 1,024 tokens x
-    rank (64 tokens at rank 16, 16 at rank 64)."""
+    """Ops that take LoRA by the Triton ops' rule (KernelSettings.lora_path), verify forwards folded up to 1,024
+    tokens x rank (64 tokens at rank 16, 16 at rank 64), forwards beside the products up to 96 tokens."""
 
     fuses_lora = True
 
     @staticmethod
-    def folds_lora(num_tokens, multi, rank):
-        return KernelSettings(fold_multi_token_ranks=1024).folds_lora(num_tokens, multi, rank)
+    def lora_path(num_tokens, multi, rank):
+        return KernelSettings(fold_multi_token_ranks=1024, beside_lora_tokens=96).lora_path(num_tokens, multi, rank)
 
 
-@pytest.mark.parametrize("lora,tokens,multi,folds", [
-    (GROUPED, 4, False, True),  # decode
-    (GROUPED, 32, False, True),
-    (GROUPED, 33, False, False),  # decode past one wave of programs: the group op after each product
-    (GROUPED, 10, True, True),  # a verify pass (several tokens of a sequence)
-    (GROUPED, 64, True, True),
-    (GROUPED, 65, True, False),  # past fold_multi_token_ranks (a long prefill): the group op after each product
-    (GROUPED64, 16, True, True),  # a higher rank folds fewer tokens
-    (GROUPED64, 17, True, False),
-    (GROUPED64, 32, False, True),  # decode's bound does not depend on the rank
-    (SimpleNamespace(groups=None), 1, False, False),  # no fused group stacks to pass
-    (None, 1, False, False),  # no adapters in the batch
+@pytest.mark.parametrize("lora,tokens,multi,path", [
+    (GROUPED, 4, False, "fold"),  # decode
+    (GROUPED, 32, False, "fold"),
+    (GROUPED, 33, False, "beside"),  # decode past one wave of programs: each delta beside its product
+    (GROUPED, 97, False, "after"),  # past beside_lora_tokens: the group op after each product
+    (GROUPED, 10, True, "fold"),  # a verify pass (several tokens of a sequence)
+    (GROUPED, 64, True, "fold"),
+    (GROUPED, 65, True, "beside"),  # past fold_multi_token_ranks
+    (GROUPED, 4096, True, "after"),  # a long prefill
+    (GROUPED64, 16, True, "fold"),  # a higher rank folds fewer tokens
+    (GROUPED64, 17, True, "beside"),
+    (GROUPED64, 32, False, "fold"),  # decode's bound does not depend on the rank
+    (SimpleNamespace(groups=None), 1, False, "after"),  # no fused group stacks to pass
+    (None, 1, False, "after"),  # no adapters in the batch
 ])
-def test_folding_ops_take_the_lora_math_of_decode_and_verify_sized_forwards(lora, tokens, multi, folds):
+def test_lora_taking_ops_fold_decode_and_verify_sized_forwards_and_put_larger_ones_beside_the_products(
+        lora, tokens, multi, path):
     model = CausalLM(SPEC, torch.float32, _FoldingOps())
-    assert model.folds_lora(lora, tokens, multi) is folds
+    assert model.lora_path(lora, tokens, multi) == path
+
+
+def test_beside_lora_tokens_zero_keeps_unfolded_forwards_after_the_products():
+    settings = KernelSettings(fold_multi_token_ranks=0)
+    assert settings.lora_path(5, True, 16) == "after"
+    assert KernelSettings(fold_multi_token_ranks=0, beside_lora_tokens=5).lora_path(5, True, 16) == "beside"

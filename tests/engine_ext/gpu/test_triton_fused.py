@@ -328,3 +328,69 @@ def test_lora_folding_under_other_launch_settings(setting, dtype):
     from engine_ext.kernels import KernelSettings
 
     _check_lora_folding(dtype, 32, 16, False, KernelSettings(**setting, expand_block_n=128, expand_warps=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,rank,run_tokens", [(160, 16, 4), (160, 64, 4), (40, 16, 1), (37, 16, 4)])
+def test_lora_deltas_beside_the_products_added_by_rope_and_silu(dtype, tokens, rank, run_tokens):
+    """DecoderLayer.beside_lora's kernels: the q/k/v and gate/up deltas (group_delta, float32, on a side branch,
+    in and out of a CUDA graph) added by the rotary and SiLU kernels give the reference composition; K splits
+    sized for runs of any length (a verify pass's 5 tokens, runs of 1) change nothing but the split count."""
+    from engine_ext.kernels import KernelSettings
+    from engine_ext.kernels.triton_fused import TritonOps
+
+    ops = TritonOps(KernelSettings(multi_run_tokens=run_tokens), torch.device(DEV))
+    g = _gen(tokens * 7 + rank)
+    hidden, inter, num_slots, heads, kv_heads, head_dim = 2048, 8192, 9, 32, 8, 64
+    qs, kvs = heads * head_dim, kv_heads * head_dim
+    slots = torch.randint(0, num_slots, (-(-tokens // 5),), generator=g, device=DEV).repeat_interleave(5)[:tokens]
+    a_qkv = _slot_stack(num_slots, hidden, 3 * rank, g, dtype, hidden**-0.5)
+    b_qkv = _slot_stack(num_slots, rank, qs + 2 * kvs, g, dtype, 0.5)
+    a_gu = _slot_stack(num_slots, hidden, 2 * rank, g, dtype, hidden**-0.5)
+    b_gu = _slot_stack(num_slots, rank, 2 * inter, g, dtype, 0.5)
+    sc_qkv, sc_gu = (torch.rand(num_slots, k, generator=g, device=DEV) * 2 for k in (3, 2))
+    h = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
+
+    def ref_group(y, a, b, scale, segments):
+        y = y.float().clone()
+        ends = list(segments[1:]) + [y.shape[1]]
+        for seg, (lo, hi) in enumerate(zip(segments, ends)):
+            add_lora_reference(y[:, lo:hi], h.float(), a[:, :, seg * rank : (seg + 1) * rank].float(),
+                               b[:, :, lo:hi].float(), scale[:, seg].contiguous(), slots)
+        return y.to(dtype)
+
+    def rel(out, ref):
+        return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+    qkv = torch.randn(tokens, qs + 2 * kvs, generator=g, device=DEV).to(dtype)
+    gate_up = torch.randn(tokens, 2 * inter, generator=g, device=DEV).to(dtype)
+    positions = torch.randint(0, 2000, (tokens,), generator=g, device=DEV)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    cos, sin = cos_sin(inv_freq, positions, dtype)
+    kv_slots = torch.randperm(64 * 16, generator=g, device=DEV)[:tokens]
+    caches = [torch.zeros(64, 16, kv_heads, head_dim, device=DEV, dtype=dtype) for _ in range(4)]
+    ref_q = TorchOps.rope_write_kv(ref_group(qkv, a_qkv, b_qkv, sc_qkv, (0, qs, qs + kvs)), cos, sin, caches[0],
+                                   caches[1], kv_slots, heads, kv_heads)
+    ref_act = TorchOps.silu_mul(ref_group(gate_up, a_gu, b_gu, sc_gu, (0, inter)))[0]
+
+    def forward():
+        with ops.side_branch:
+            d_qkv = ops.group_delta(h, a_qkv, b_qkv, sc_qkv, slots, (0, qs, qs + kvs), multi=True)
+            d_gu = ops.group_delta(h, a_gu, b_gu, sc_gu, slots, (0, inter), multi=True)
+        base = qkv * 1  # the main stream's product meanwhile
+        ops.side_branch.join()
+        q = ops.rope_write_kv(base, cos, sin, caches[2], caches[3], kv_slots, heads, kv_heads, extra=d_qkv)
+        return q, ops.silu_mul(gate_up, extra=d_gu)[0], d_qkv
+
+    q, act, d_qkv = forward()
+    base_rows = slots == num_slots - 1
+    assert d_qkv.dtype == torch.float32 and torch.all(d_qkv[base_rows] == 0)
+    for out, ref in ((q, ref_q), (caches[2], caches[0]), (caches[3], caches[1]), (act, ref_act)):
+        assert rel(out, ref) < 1e-2
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], q) and torch.equal(outs[1], act)  # the captured branch computes what eager did
