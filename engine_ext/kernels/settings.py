@@ -14,10 +14,6 @@ from typing import Any
 
 __all__ = ["KernelSettings"]
 
-# Forwards of one token per sequence fold LoRA into the element-wise kernels up to one wave of programs (decode at
-# batch <= 32); past it the split LoRA kernels after each product measured faster.
-FUSED_LORA_TOKENS = 32
-
 
 @dataclass(frozen=True)
 class KernelSettings:
@@ -51,9 +47,12 @@ class KernelSettings:
     silu_lora_block: int = 512
     silu_lora_sb: int = 0  # columns per inner step of silu_mul with LoRA; 0: from the rank
     silu_lora_warps: int = 2
-    # ---- LoRA folded into the element-wise kernels (triton_fused.py): forwards with several tokens of one sequence
-    # (verify passes, prompts in graph-sized passes) fold their LoRA math as decode steps do while tokens x slot rank
-    # is at most this: each of a sequence's tokens re-reads its adapter's tiles (rank columns), from L2 after the
+    # ---- LoRA folded into the element-wise kernels (triton_fused.py): forwards of one token per sequence up to this
+    # many tokens (decode up to one wave of programs; past it the split LoRA kernels after each product measured
+    # faster)
+    fold_decode_tokens: int = 32
+    # Forwards with several tokens of one sequence (verify passes, prompts in graph-sized passes) fold their LoRA math
+    # as decode steps do while tokens x slot rank is at most this: each of a sequence's tokens re-reads its adapter's tiles (rank columns), from L2 after the
     # first, so the re-reads grow with both. Measured on the H200 at 1B (bench/RESULTS.md section 1): rank 16 folds
     # faster than the split LoRA kernels after each product up to 160 tokens (batch 32, k = 4: 2.43 against 2.71 ms);
     # rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90 against 3.61). 0: every such forward takes the
@@ -111,6 +110,8 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         if self.pdl_max_tokens < 0:
             raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
+        if self.fold_decode_tokens < 0:
+            raise ValueError(f"KernelSettings.fold_decode_tokens must be >= 0, got {self.fold_decode_tokens}")
         if self.beside_lora_tokens < 0:
             raise ValueError(f"KernelSettings.beside_lora_tokens must be >= 0, got {self.beside_lora_tokens}")
         if self.multi_run_tokens < 1:
@@ -126,12 +127,12 @@ class KernelSettings:
     def lora_path(self, num_tokens: int, multi: bool, rank: int) -> str:
         """Where the Triton layer ops put a forward's LoRA math (model.LayerOps.lora_path):
 
-        - "fold": into the element-wise kernels: forwards of one token per sequence up to FUSED_LORA_TOKENS (decode,
+        - "fold": into the element-wise kernels: forwards of one token per sequence up to fold_decode_tokens (decode,
           one wave of programs), forwards with several tokens of one sequence (`multi`) while num_tokens x `rank`
           (the slots' rank) is at most fold_multi_token_ranks;
         - "beside": the others up to beside_lora_tokens, each group's delta computed beside its product;
         - "after": the rest, the split LoRA kernels after each product."""
-        if (num_tokens * rank <= self.fold_multi_token_ranks) if multi else num_tokens <= FUSED_LORA_TOKENS:
+        if (num_tokens * rank <= self.fold_multi_token_ranks) if multi else num_tokens <= self.fold_decode_tokens:
             return "fold"
         return "beside" if num_tokens <= self.beside_lora_tokens else "after"
 
