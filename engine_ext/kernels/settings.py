@@ -62,6 +62,8 @@ class KernelSettings:
     # tokens, compute every group's delta with the split LoRA kernels on the side stream while the group's base
     # product runs (the rotary, SiLU and norm kernels add the float32 deltas), instead of after each product on the
     # main stream; 0: never. A verify pass takes this path when fold_multi_token_ranks is below its tokens x rank.
+    # Off: on an H100 at 1B it beat folding only at batch 32 with k >= 3 at rank 16 (2-4%), lost to the kernels after
+    # the products up to 1.6x at rank 64 and cost decode 8% (bench/RESULTS.md section 1).
     beside_lora_tokens: int = 0
     # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
     # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.

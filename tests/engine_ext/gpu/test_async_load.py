@@ -96,10 +96,12 @@ def test_a_copy_is_issued_once_a_forward_is_queued(setup):
 
 
 def _engine(model, adapters, fast: bool) -> LLMEngine:
-    """fast: False (eager torch), True (Triton + graphs)."""
+    """fast: False (eager torch), True (Triton + graphs). The slots are MAX_RANK wide from the start: a cold load,
+    not a growth (test_slot_growth.py), is what these tests hold in flight (a growth waits for the held copy)."""
     backend = CUDA_TRITON_GRAPHS if fast else CUDA_TORCH
-    engine = LLMEngine(EngineConfig(model=model, dtype="float32", max_loras=3, max_lora_rank=MAX_RANK, block_size=4,
-                                    max_model_len=128, num_kv_blocks=256, **backend))
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", max_loras=3, max_lora_rank=MAX_RANK,
+                                    lora_slot_rank=None, block_size=4, max_model_len=128, num_kv_blocks=256,
+                                    **backend))
     for n, p in adapters.items():
         engine.add_adapter(n, p)
     return engine
