@@ -266,12 +266,7 @@ def _check_lora_folding(dtype, tokens, rank, runs, settings, head_dim=64):
     sc = {n: torch.rand(num_slots, k, generator=g, device=DEV) * 2 for n, k in (("qkv", 3), ("gu", 2), ("down", 1))}
 
     def ref_group(y, x, a, b, scale, segments):
-        y = y.float().clone()
-        ends = list(segments[1:]) + [y.shape[1]]
-        for seg, (lo, hi) in enumerate(zip(segments, ends)):
-            add_lora_reference(y[:, lo:hi], x.float(), a[:, :, seg * rank : (seg + 1) * rank].float(),
-                               b[:, :, lo:hi].float(), scale[:, seg].contiguous(), slots)
-        return y.to(dtype)
+        return _group_reference(y, x, a, b, scale, slots, segments, rank).to(dtype)
 
     x = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
     delta = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
@@ -352,12 +347,7 @@ def test_lora_deltas_beside_the_products_added_by_rope_and_silu(dtype, tokens, r
     h = torch.randn(tokens, hidden, generator=g, device=DEV).to(dtype)
 
     def ref_group(y, a, b, scale, segments):
-        y = y.float().clone()
-        ends = list(segments[1:]) + [y.shape[1]]
-        for seg, (lo, hi) in enumerate(zip(segments, ends)):
-            add_lora_reference(y[:, lo:hi], h.float(), a[:, :, seg * rank : (seg + 1) * rank].float(),
-                               b[:, :, lo:hi].float(), scale[:, seg].contiguous(), slots)
-        return y.to(dtype)
+        return _group_reference(y, h, a, b, scale, slots, segments, rank).to(dtype)
 
     def rel(out, ref):
         return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
