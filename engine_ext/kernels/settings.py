@@ -52,11 +52,11 @@ class KernelSettings:
     # faster)
     fold_decode_tokens: int = 32
     # Forwards with several tokens of one sequence (verify passes, prompts in graph-sized passes) fold their LoRA math
-    # as decode steps do while tokens x slot rank is at most this: each of a sequence's tokens re-reads its adapter's tiles (rank columns), from L2 after the
-    # first, so the re-reads grow with both. Measured on the H200 at 1B (bench/RESULTS.md section 1): rank 16 folds
-    # faster than the split LoRA kernels after each product up to 160 tokens (batch 32, k = 4: 2.43 against 2.71 ms);
-    # rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90 against 3.61). 0: every such forward takes the
-    # split kernels.
+    # as decode steps do while tokens x slot rank is at most this: each of a sequence's tokens re-reads its adapter's
+    # tiles (rank columns), from L2 after the first, so the re-reads grow with both. Measured on the H200 at 1B
+    # (bench/RESULTS.md section 1): rank 16 folds faster than the split LoRA kernels after each product up to 160
+    # tokens (batch 32, k = 4: 2.43 against 2.71 ms); rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90
+    # against 3.61). 0: every such forward takes the split kernels.
     fold_multi_token_ranks: int = 4096
     # ---- LoRA beside the products (model.DecoderLayer.beside_lora): forwards that do not fold it, up to this many
     # tokens, compute every group's delta with the split LoRA kernels on the side stream while the group's base

@@ -226,19 +226,25 @@ def group_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.
     """lora_delta for every module of a fused group (add_lora_group_triton's arguments): [T, out_total] float32,
     module seg's delta in its columns, zero on the zero slot."""
     _check(x, x, a, b)
-    skip_slot, rank = a.shape[0] - 1, b.shape[1]
     out = torch.empty(x.shape[0], b.shape[2], dtype=torch.float32, device=b.device)
-    if any(start & -start < 16 for start in segments[1:]):  # no >= 16-column tile fits between module starts
-        ends = list(segments[1:]) + [out.shape[1]]
+    _group(out, x, a, b, scale, slots, segments, ranks, True, run_tokens, settings)
+    return out
+
+
+def _group(y, x, a, b, scale, slots, segments, ranks, store: bool, run_tokens: int, settings: KernelSettings) -> None:
+    """A fused group's shrink and expand into y (added, or with `store` stored): one launch each, or one each per
+    module where no >= 16-column tile fits between module starts."""
+    skip_slot, rank = a.shape[0] - 1, b.shape[1]
+    if any(start & -start < 16 for start in segments[1:]):
+        ends = list(segments[1:]) + [y.shape[1]]
         for seg, (start, end) in enumerate(zip(segments, ends)):
             part = lora_shrink(x, a[:, :, seg * rank : (seg + 1) * rank], slots, skip_slot, ranks,
                                run_tokens=run_tokens, settings=settings)
-            lora_expand(out[:, start:end], part, b[:, :, start:end], scale[:, seg], slots, skip_slot, store=True,
+            lora_expand(y[:, start:end], part, b[:, :, start:end], scale[:, seg], slots, skip_slot, store=store,
                         ranks=ranks, settings=settings)
-        return out
+        return
     part = lora_shrink(x, a, slots, skip_slot, ranks, rank, run_tokens=run_tokens, settings=settings)
-    lora_expand(out, part, b, scale, slots, skip_slot, segments, store=True, ranks=ranks, settings=settings)
-    return out
+    lora_expand(y, part, b, scale, slots, skip_slot, segments, store=store, ranks=ranks, settings=settings)
 
 
 def _check(y, x, a, b) -> None:
@@ -279,13 +285,4 @@ def add_lora_group_triton(
     """Every module of a fused group (q/k/v, gate/up) in one shrink and one expand launch:
     y[i, seg] += (x[i] @ A_seg[slot]) @ B_seg[slot] * scale_seg[slot]."""
     _check(y, x, a, b)
-    skip_slot = a.shape[0] - 1
-    rank = b.shape[1]
-    if any(start & -start < 16 for start in segments[1:]):  # no >= 16-column tile fits between module starts
-        ends = list(segments[1:]) + [y.shape[1]]
-        for seg, (start, end) in enumerate(zip(segments, ends)):
-            add_lora_triton(y[:, start:end], x, a[:, :, seg * rank : (seg + 1) * rank], b[:, :, start:end],
-                            scale[:, seg], slots, ranks, settings=settings)
-        return
-    part = lora_shrink(x, a, slots, skip_slot, ranks, rank, settings=settings)
-    lora_expand(y, part, b, scale, slots, skip_slot, segments, ranks=ranks, settings=settings)
+    _group(y, x, a, b, scale, slots, segments, ranks, False, 1, settings)
