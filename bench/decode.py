@@ -416,6 +416,15 @@ def forward_points(engine, tag, max_distinct, args, results) -> None:
                                            bw_fraction=bm["bytes_model_ms"] / point["gpu_ms"]))
             print(f"{tag['quantization']} batch {batch} verify k={k}: gpu {point['gpu_ms']:.3f} ms, step {point['step_ms']:.3f} ms",
                   flush=True)
+    # ---- the floor under a verify pass: the same k+1 tokens a sequence through the base model alone (adapters off),
+    # i.e. what attention and the products cost over k+1 queries before any LoRA work
+    if 0 in args.adapters and rank == args.ranks[0]:
+        for batch in args.batches:
+            for k in range(1, MAX_K + 1):
+                point = forward_point(engine, [None] * batch, k + 1, True, args.iters)
+                results["forward"].append(dict(tag, mode=f"base_verify_k{k}", batch=batch, adapters=0,
+                                               tokens=batch * (k + 1), **point))
+                print(f"{tag['quantization']} batch {batch} base verify k={k}: gpu {point['gpu_ms']:.3f} ms", flush=True)
 
 
 def engine_points(engine, tag, max_distinct, args, results, dump) -> None:

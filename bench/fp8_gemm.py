@@ -29,7 +29,8 @@ SWEEP_TOKENS = [1, 32, 160]  # decode at batch 1 and 32, a verify pass of 5 toke
 SWEEP_SHAPE = "llama-3.1-8b"
 # The sweep changes one launch setting at a time from the defaults, then times the best value of each together
 SWEEP_VALUES = {"fp8_block_n": (64, 256), "fp8_block_k": (64, 256), "fp8_programs": (132, 528, 1056),
-                "fp8_split_steps": (1, 2, 8), "fp8_stages": (2, 3, 6), "fp8_warps": (2, 8)}
+                "fp8_split_steps": (1, 2, 8), "fp8_stages": (2, 3, 6), "fp8_warps": (2, 8), "fp8_block_m": (128, 256),
+                "fp8_swap_tokens": (256,)}
 SWEEP = [{}] + [{name: v} for name, values in SWEEP_VALUES.items() for v in values]
 
 
@@ -53,9 +54,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / s).to(FP8_DTYPE), s
 
 
-def sweep_settings(cases, sweep: list[dict]) -> dict:
+def sweep_settings(cases, sweep: list[dict], variants: list[dict] = ()) -> dict:
     """Each SWEEP variant's total time over the cases (name, tokens, x, w8, scale), then the best value of each
-    setting together; appends a row per case and variant to `sweep` and returns the summary."""
+    setting together, then each of `variants` (whole settings); appends a row per case and variant to `sweep` and
+    returns the summary."""
     from engine_ext.kernels.triton_fp8 import fp8_linear_triton
 
     def total(values: dict) -> float:
@@ -80,6 +82,8 @@ def sweep_settings(cases, sweep: list[dict]) -> dict:
             best[name] = min(options, key=lambda o: o[0])[1]
     if best:
         totals[json.dumps(best)] = total(best)
+    for values in variants:
+        totals[json.dumps(values)] = total(values)
     return {"sweep_best": sorted(totals.items(), key=lambda kv: kv[1])[:8], "sweep_default_ms": totals["{}"],
             "sweep_combined": best}
 
@@ -91,6 +95,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--variants", nargs="*", type=json.loads, default=[],
+                    help="with --sweep: whole KernelSettings (JSON objects) timed after the one-at-a-time sweep")
     ap.add_argument("--no-scaled-mm", action="store_true", help="time only the bf16 product and the W8A16 GEMM")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -134,7 +140,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 if args.sweep and m in SWEEP_TOKENS and shape == SWEEP_SHAPE:
                     cases.append((name, m, x, w8, scale))
-    summary = sweep_settings(cases, sweep) if cases else {}
+    summary = sweep_settings(cases, sweep, args.variants) if cases else {}
     out = {"machine": machine(), "commit": commit(), "rows": rows, "sweep": sweep, **summary}
     print(json.dumps(summary))
     if args.out:

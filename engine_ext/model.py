@@ -123,8 +123,8 @@ class LayerOps(Protocol):
     silu_mul(gate_up, lora, extra) -> (silu(gate) * up, part)
 
     `extra` is a float32 delta added first (to delta in add_rms_norm). Ops that take LoRA math (`fuses_lora`) say
-    where, per forward (`lora_path(num_tokens, multi, rank)`; `multi`: some sequence has several tokens in it, as in
-    a verify pass; `rank`: the slots'): "fold" (the `lora` arguments of the element-wise kernels, DecoderLayer.
+    where, per forward (`lora_path(num_tokens, multi, rank, columns)`; `multi`: some sequence has several tokens in
+    it, as in a verify pass; `rank`: the slots'; `columns`: a layer's LoRA output columns): "fold" (the `lora` arguments of the element-wise kernels, DecoderLayer.
     fused_lora), "beside" (float32 deltas computed beside each product, DecoderLayer.beside_lora) or "after" (the
     LoRA op after each product, DecoderLayer.plain); they also provide lora_delta, group_delta, expand_delta and
     side_branch (kernels/triton_fused.TritonOps). The others are only ever passed None as `lora` and `extra` of the
@@ -132,7 +132,7 @@ class LayerOps(Protocol):
 
     fuses_lora: bool
 
-    def lora_path(self, num_tokens: int, multi: bool, rank: int) -> str: ...
+    def lora_path(self, num_tokens: int, multi: bool, rank: int, columns: int) -> str: ...
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None) -> tuple: ...
     def rope_write_kv(self, qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, lora=None,
@@ -281,6 +281,8 @@ class CausalLM(nn.Module):
         self.spec, self.comm = spec, comm
         local = self.layout.local
         self.ops = ops  # the element-wise work between the matrix products
+        # a layer's LoRA output columns on this rank (q, k, v, o, gate, up, down), which a folded token re-reads
+        self.lora_columns = sum(out for _, out in local.module_shapes().values())
         self.weights = weights or DenseWeights(ops.linear)
         e = dict(dtype=dtype)
         vocab = self.layout.vocab_rows
@@ -386,7 +388,7 @@ class CausalLM(nn.Module):
         stacks; otherwise "after" (the LoRA op after each product, DecoderLayer.plain; also without adapters)."""
         if not (self.ops.fuses_lora and lora is not None and lora.groups is not None):
             return "after"
-        return self.ops.lora_path(num_tokens, multi, lora.rank)
+        return self.ops.lora_path(num_tokens, multi, lora.rank, self.lora_columns)
 
 
 class TorchOps:
@@ -398,7 +400,7 @@ class TorchOps:
     linear = staticmethod(F.linear)
 
     @staticmethod
-    def lora_path(num_tokens: int, multi: bool, rank: int) -> str:
+    def lora_path(num_tokens: int, multi: bool, rank: int, columns: int) -> str:
         return "after"
 
     @staticmethod

@@ -52,18 +52,26 @@ class KernelSettings:
     # faster)
     fold_decode_tokens: int = 32
     # Forwards with several tokens of one sequence (verify passes, prompts in graph-sized passes) fold their LoRA math
-    # as decode steps do while tokens x slot rank is at most this: each of a sequence's tokens re-reads its adapter's
-    # tiles (rank columns), from L2 after the first, so the re-reads grow with both. Measured on the H200 at 1B
-    # (bench/RESULTS.md section 1): rank 16 folds faster than the split LoRA kernels after each product up to 160
-    # tokens (batch 32, k = 4: 2.43 against 2.71 ms); rank 64 at 64 tokens (3.22 against 4.69) but not at 96 (3.90
-    # against 3.61). 0: every such forward takes the split kernels.
+    # as decode steps do while tokens x slot rank is at most fold_multi_token_ranks and tokens x the layer's LoRA
+    # output columns (q, k, v, o, gate, up and down widths on this rank: 23,552 at the Llama-3.2-1B shape, 43,008 at
+    # 3.1-8B) at most fold_multi_token_columns: each of a sequence's tokens re-reads its adapter's B tiles (rank x
+    # columns), from L2 after the first, so the re-reads grow with all three. Measured at batch 32, rank 16 (bench/
+    # RESULTS.md section 1, H100): folding beat LoRA beside the products at 1B up to 96 tokens (2.26M columns), lost
+    # at 128 and 160 (3.01M: 2.475 against 2.425 ms; 3.77M); at 8B it beat it at 64 tokens (2.75M: 8.91 against
+    # 9.00 ms), lost from 96 (4.13M: 9.71 against 9.28; 160 tokens 11.53 against 10.02). At 1B rank 64 folding beat the
+    # split kernels after each product at 64 tokens (3.22 against 4.69 ms, H200) but not at 96 (3.90 against 3.61).
+    # 0: every such forward takes another path.
     fold_multi_token_ranks: int = 4096
-    # ---- LoRA beside the products (model.DecoderLayer.beside_lora): forwards that do not fold it, up to this many
-    # tokens, compute every group's delta with the split LoRA kernels on the side stream while the group's base
-    # product runs (the rotary, SiLU and norm kernels add the float32 deltas), instead of after each product on the
-    # main stream; 0: never. A verify pass takes this path when fold_multi_token_ranks is below its tokens x rank.
-    # Off: on an H100 at 1B it beat folding only at batch 32 with k >= 3 at rank 16 (2-4%), lost to the kernels after
-    # the products up to 1.6x at rank 64 and cost decode 8% (bench/RESULTS.md section 1).
+    fold_multi_token_columns: int = 3_000_000
+    # ---- LoRA beside the products (model.DecoderLayer.beside_lora): every group's delta computed with the split
+    # LoRA kernels on the side stream while the group's base product runs (the rotary, SiLU and norm kernels add the
+    # float32 deltas), instead of after each product on the main stream. Forwards with several tokens of a sequence
+    # that do not fold take it while tokens x slot rank is at most beside_multi_token_ranks: at rank 16 it beat the
+    # kernels after the products (1B, 160 tokens: 2.63 against 2.71 ms; 8B: 10.02 against 10.95), at rank 64 it lost
+    # up to 1.6x (1B, 96 tokens: 5.31 against 3.82; its float32 gate/up deltas cross HBM twice, its split kernels
+    # take SMs from the products). Decode steps past fold_decode_tokens take it up to beside_lora_tokens tokens: 0,
+    # since at batch 32 it cost decode 8% against folding (bench/RESULTS.md section 1). 0: never.
+    beside_multi_token_ranks: int = 4096
     beside_lora_tokens: int = 0
     # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
     # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.
@@ -86,6 +94,13 @@ class KernelSettings:
     # the tiles number fewer than fp8_programs and each program keeps at least fp8_split_steps K tiles
     fp8_block_k: int = 128
     fp8_block_n: int = 128
+    # the decode-sized tiles' token side at most (a verify pass of 160 tokens in tiles of 64 reads each weight tile
+    # three times), and up to how many tokens a product's tile is computed transposed (W8 @ x.T: the widened weights
+    # the tensor cores' first operand, the tokens the narrow second; 0: never). Transposed with 128-token tiles, the
+    # 8B forward on an H100 took 3-7% longer at batch 1 and 32 and 12-17% less at 64-128 tokens, still 1.1-2.3x
+    # bf16's there (bench/RESULTS.md section 15): off
+    fp8_block_m: int = 64
+    fp8_swap_tokens: int = 0
     fp8_programs: int = 264
     fp8_split_steps: int = 4
     fp8_stages: int = 4
@@ -100,7 +115,7 @@ class KernelSettings:
                      "expand_warps", "fp8_warps"):
             _check_pow2(name, getattr(self, name), 1, 32)
         # Tile sides of tl.arange / tl.dot: powers of two, at least 16
-        for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n"):
+        for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n", "fp8_block_m"):
             _check_pow2(name, getattr(self, name), 16, 1 << 16)
         for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi"):
             if getattr(self, name):
@@ -114,27 +129,38 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
         if self.fold_decode_tokens < 0:
             raise ValueError(f"KernelSettings.fold_decode_tokens must be >= 0, got {self.fold_decode_tokens}")
-        if self.beside_lora_tokens < 0:
-            raise ValueError(f"KernelSettings.beside_lora_tokens must be >= 0, got {self.beside_lora_tokens}")
+        for name in ("beside_lora_tokens", "beside_multi_token_ranks", "fold_multi_token_columns"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:
             raise ValueError(f"KernelSettings.multi_run_tokens must be >= 1, got {self.multi_run_tokens}")
         if self.fold_multi_token_ranks < 0:
             raise ValueError(f"KernelSettings.fold_multi_token_ranks must be >= 0, got {self.fold_multi_token_ranks}")
+        if self.fp8_swap_tokens < 0:
+            raise ValueError(f"KernelSettings.fp8_swap_tokens must be >= 0, got {self.fp8_swap_tokens}")
         for name in ("fp8_stages", "fp8_programs", "fp8_split_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KernelSettings.{name} must be >= 1, got {getattr(self, name)}")
         if self.attn_split_budget < 1:
             raise ValueError(f"KernelSettings.attn_split_budget must be >= 1, got {self.attn_split_budget}")
 
-    def lora_path(self, num_tokens: int, multi: bool, rank: int) -> str:
-        """Where the Triton layer ops put a forward's LoRA math (model.LayerOps.lora_path):
+    def lora_path(self, num_tokens: int, multi: bool, rank: int, columns: int) -> str:
+        """Where the Triton layer ops put a forward's LoRA math (model.LayerOps.lora_path), given its tokens, whether
+        some sequence has several of them (`multi`: verify passes, prompts), the slots' rank and the layer's LoRA
+        output columns:
 
         - "fold": into the element-wise kernels: forwards of one token per sequence up to fold_decode_tokens (decode,
-          one wave of programs), forwards with several tokens of one sequence (`multi`) while num_tokens x `rank`
-          (the slots' rank) is at most fold_multi_token_ranks;
-        - "beside": the others up to beside_lora_tokens, each group's delta computed beside its product;
+          one wave of programs), `multi` forwards while num_tokens x rank is at most fold_multi_token_ranks and
+          num_tokens x columns at most fold_multi_token_columns;
+        - "beside": the others while num_tokens x rank is at most beside_multi_token_ranks (`multi`) or num_tokens
+          at most beside_lora_tokens (one token a sequence), each group's delta computed beside its product;
         - "after": the rest, the split LoRA kernels after each product."""
-        if (num_tokens * rank <= self.fold_multi_token_ranks) if multi else num_tokens <= self.fold_decode_tokens:
+        if multi:
+            if (num_tokens * rank <= self.fold_multi_token_ranks
+                    and num_tokens * columns <= self.fold_multi_token_columns):
+                return "fold"
+            return "beside" if num_tokens * rank <= self.beside_multi_token_ranks else "after"
+        if num_tokens <= self.fold_decode_tokens:
             return "fold"
         return "beside" if num_tokens <= self.beside_lora_tokens else "after"
 

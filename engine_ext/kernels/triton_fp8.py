@@ -9,8 +9,10 @@ accumulation; the per-channel scale and the bias are applied to the float32 sum,
 activations' dtype.
 
 Decode-sized products (up to `BYTES_BOUND_M` tokens: decode steps, drafting and verify passes) are bound by the
-weights' bytes. Their tiles are at most 64 tokens by `fp8_block_n` columns, a column's tiles side by side so their
-weight tiles come from L2 once one has read them; when those tiles are too few to keep every SM streaming
+weights' bytes. Their tiles are at most `fp8_block_m` (64) tokens by `fp8_block_n` columns, a column's tiles side by
+side so their weight tiles come from L2 once one has read them, computed as y = x @ W8.T or, up to `fp8_swap_tokens`
+tokens, transposed (y.T = W8 @ x.T: the widened weights the tensor cores' first operand, the tokens the narrow
+second); when those tiles are too few to keep every SM streaming
 (`fp8_programs`), K is split between programs (split-K): each writes its float32 partial sum, and a second kernel
 adds the partials in split order (deterministic: no atomics) and applies scale and bias. Larger products (prompts)
 are bound by arithmetic and take square tiles, programs ordered in groups of GROUP_M row tiles so a group's weight
@@ -43,7 +45,7 @@ SUM_BLOCK = 1024  # columns a program of the split-sum kernel adds up
 def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
                   stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                  SPLIT: tl.constexpr):
+                  SPLIT: tl.constexpr, SWAP: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -55,38 +57,53 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_first = pid_k * K_SPLIT  # this program's K columns: [k_first, k_first + K_SPLIT), K_SPLIT a BLOCK_K multiple
     rk = k_first + tl.arange(0, BLOCK_K)
+    # SWAP: the transposed tile, y.T = W8 @ x.T, [BLOCK_N, BLOCK_M]: the widened weights are the tensor cores' first
+    # operand (kept in registers) and the few tokens the narrow second; else y = x @ W8.T, [BLOCK_M, BLOCK_N]
+    if SWAP:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        x_ptrs = x_ptr + rm.to(tl.int64) * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]
+        w_ptrs = w_ptr + rn.to(tl.int64) * stride_wn + rk[None, :]  # [BLOCK_N, BLOCK_K]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        x_ptrs = x_ptr + rm.to(tl.int64) * stride_xm + rk[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + rn.to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]: W8 read transposed
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     m_in = rm < M
     n_in = rn < N
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
-    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N]: W8 read transposed
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_first, tl.minimum(k_first + K_SPLIT, K), BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_in[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_in[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_in, other=0.0)
+            w = tl.load(w_ptrs, mask=n_in, other=0.0)
         else:
-            k_in = rk + (k0 - k_first) < K
-            x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_in[None, :] & k_in[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
+            k_left = K - (k0 - k_first)  # rk - k_first + k0 < K
+            x_k = (rk[:, None] if SWAP else rk[None, :]) < k_left
+            w_k = (rk[None, :] if SWAP else rk[:, None]) < k_left
+            x = tl.load(x_ptrs, mask=m_in & x_k, other=0.0)
+            w = tl.load(w_ptrs, mask=n_in & w_k, other=0.0)
+        if SWAP:
+            if IEEE:
+                acc = tl.dot(w.to(x.dtype), x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(x.dtype), x, acc)
         else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
+            if IEEE:
+                acc = tl.dot(x, w.to(x.dtype), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.to(x.dtype), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SPLIT == 1:
-        acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)[None, :]
+        acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_in[:, None] & n_in[None, :])
+            acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rm.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=m_in & n_in)
     else:  # this split's partial sum, float32 [SPLIT, M, N]
-        p_ptrs = part_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
-        tl.store(p_ptrs, acc, mask=m_in[:, None] & n_in[None, :])
+        tl.store(part_ptr + (pid_k * M + rm).to(tl.int64) * N + rn, acc, mask=m_in & n_in)
 
 
 @triton.jit
@@ -106,14 +123,14 @@ def _split_sum_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS
 
 
 def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, x_bytes: int = 2
-                  ) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split) of a [M, K] x [K, N] product whose activations take x_bytes
-    an element; split is how many programs share a tile's K columns, and the stages are as many as the settings ask
-    for while their tiles fit SMEM_BUDGET."""
+                  ) -> tuple[int, int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, swap) of a [M, K] x [K, N] product whose activations take
+    x_bytes an element; split is how many programs share a tile's K columns, the stages are as many as the settings
+    ask for while their tiles fit SMEM_BUDGET, and swap computes the tile transposed (weights first)."""
     if M > BYTES_BOUND_M:
         block_m, block_n, block_k, warps, stages = _LARGE
-        return block_m, block_n, block_k, warps, _fit(stages, block_m, block_n, block_k, x_bytes), 1
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
+        return block_m, block_n, block_k, warps, _fit(stages, block_m, block_n, block_k, x_bytes), 1, False
+    block_m = min(settings.fp8_block_m, max(16, triton.next_power_of_2(M)))
     block_k = min(settings.fp8_block_k, max(16, triton.next_power_of_2(K)))
     block_n = min(settings.fp8_block_n, max(16, triton.next_power_of_2(N)))
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
@@ -124,7 +141,7 @@ def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, 
     while tiles * split < settings.fp8_programs and steps >= 2 * split * settings.fp8_split_steps:
         split *= 2
     stages = _fit(settings.fp8_stages, block_m, block_n, block_k, x_bytes)
-    return block_m, block_n, block_k, settings.fp8_warps, stages, split
+    return block_m, block_n, block_k, settings.fp8_warps, stages, split, M <= settings.fp8_swap_tokens
 
 
 def _fit(stages: int, block_m: int, block_n: int, block_k: int, x_bytes: int) -> int:
@@ -149,7 +166,7 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bi
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
-    block_m, block_n, block_k, warps, stages, split = launch_config(M, N, K, settings, x.element_size())
+    block_m, block_n, block_k, warps, stages, split, swap = launch_config(M, N, K, settings, x.element_size())
     k_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_split)  # no empty share when K's tiles do not divide evenly
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
@@ -157,7 +174,8 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bi
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split)
     _w8a16_kernel[grid](x2, w8, scale, bias_arg, y, part, M, N, K, k_split, x2.stride(0), w8.stride(0), y.stride(0),
                         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
-                        EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT=split, num_warps=warps,
+                        EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT=split, SWAP=swap,
+                        num_warps=warps,
                         num_stages=stages)
     if split > 1:
         _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](part, scale, bias_arg, y, M, N, y.stride(0),

@@ -430,8 +430,8 @@ class TritonOps:
         self.settings = settings
         self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
 
-    def lora_path(self, num_tokens: int, multi: bool, rank: int) -> str:
-        return self.settings.lora_path(num_tokens, multi, rank)
+    def lora_path(self, num_tokens: int, multi: bool, rank: int, columns: int) -> str:
+        return self.settings.lora_path(num_tokens, multi, rank, columns)
 
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)

@@ -7,6 +7,7 @@ TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -303,8 +304,8 @@ def engine():
                kernels={"attn_block_n": 16, "attn_rows": 0, "norm_chunk": 64, "silu_lora_block": 128,
                         "expand_block_n": 16, "shrink_warps": 4}) == ref
     # speculative cycles: their verify passes (several tokens of one sequence) fold LoRA as decode steps do, and with
-    # fold_multi_token_ranks 0 apply it with the split kernels after each product instead; attention's wide tiles on
-    # and off
+    # fold_multi_token_ranks and beside_multi_token_ranks 0 apply it with the split kernels after each product
+    # instead; attention's wide tiles on and off
     from engine_ext import SpecConfig
 
     spec = SpecConfig(num_draft_tokens=3, gate=False)
@@ -312,9 +313,11 @@ def engine():
     assert run(speculative=spec, **kernels) == ref
     assert used
     used.clear()
-    assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "attn_rows_multi": 0}, **kernels) == ref
+    assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "beside_multi_token_ranks": 0,
+                                          "attn_rows_multi": 0}, **kernels) == ref
     assert not used  # every adapter-on forward of a forced cycle has several tokens of a sequence: none folded
-    # ...and with beside_lora_tokens, every group's delta beside its product (prompts and verify passes)
+    # ...and beside the products, every group's delta beside its product: multi-token forwards past a fold bound
+    # (by rank, and by the layer's columns) and decode steps with beside_lora_tokens
     besides = []
     group_delta = TritonOps.group_delta
 
@@ -325,6 +328,12 @@ def engine():
     TritonOps.group_delta = counted_group
     assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "beside_lora_tokens": 4096}, **kernels) == ref
     assert besides and all(besides) and used  # group_delta for q/k/v and gate/up, lora_delta for o and down
+    besides.clear()
+    assert run(speculative=spec, kernels={"fold_multi_token_columns": 1}, **kernels) == ref
+    assert besides
+    besides.clear()
+    assert run(kernels={"fold_decode_tokens": 0, "beside_lora_tokens": 4096}, **kernels) == ref
+    assert besides and not any(besides)  # decode steps (and prompts) beside the products
 
 def fp8():
     """The W8A16 GEMM against quantization.fp8_linear: decode-sized and prompt-sized products, ragged N and K, a bias,
@@ -347,8 +356,11 @@ def fp8():
         b = torch.randn(n, generator=g) if bias else None
         x = torch.randn(m, k + 8, generator=g)[:, 3:k + 3]  # rows strided past their length
         ref = fp8_linear(x, w8, scale, b)
+        # each also with its decode-sized tiles transposed (weights first), tokens in tiles of up to 128
         for settings in (KernelSettings(), narrow, split):
             _close(fp8_linear_triton(x, w8, scale, b, settings=settings), ref)
+            swapped = dataclasses.replace(settings, fp8_swap_tokens=256, fp8_block_m=128)
+            _close(fp8_linear_triton(x, w8, scale, b, settings=swapped), ref)
     x3 = torch.randn(2, 3, 64, generator=g)
     w8, scale = quantize_fp8(torch.randn(32, 64, generator=g))
     _close(fp8_linear_triton(x3, w8, scale), fp8_linear(x3, w8, scale))
@@ -360,6 +372,10 @@ def fp8():
     assert launch_config(1, 4096, 4096, KernelSettings(fp8_block_n=64))[1] == 64
     assert launch_config(160, 4096, 4096)[0] == 64 and launch_config(1000, 4096, 4096)[0] > 64
     assert launch_config(1000, 4096, 4096)[5] == 1
+    # transposed tiles up to fp8_swap_tokens tokens, never for a prompt; the token side up to fp8_block_m
+    wide = KernelSettings(fp8_swap_tokens=160, fp8_block_m=256)
+    assert launch_config(160, 4096, 4096, wide)[6] and not launch_config(161, 4096, 4096, wide)[6]
+    assert launch_config(160, 4096, 4096, wide)[0] == 256 and not launch_config(1000, 4096, 4096, wide)[6]
 
     root = tempfile.mkdtemp()
     model = build_model("llama", root + "/m")

@@ -33,15 +33,26 @@ def test_torch_ops_never_take_lora_math():
     assert model.lora_path(GROUPED, 8, True) == "after"
 
 
+COLUMNS = 32 + 16 + 16 + 32 + 48 + 48 + 32  # SPEC's q, k, v, o, gate, up and down widths
+
+
+def test_the_model_passes_its_layers_lora_columns():
+    assert CausalLM(SPEC, torch.float32, TorchOps()).lora_columns == COLUMNS
+
+
 class _FoldingOps(TorchOps):
-    """Ops that take LoRA by the Triton ops' rule (KernelSettings.lora_path), verify forwards folded up to 1,024
-    tokens x rank (64 tokens at rank 16, 16 at rank 64), forwards beside the products up to 96 tokens."""
+    """Ops that take LoRA by the Triton ops' rule (KernelSettings.lora_path): verify forwards folded up to 1,024
+    tokens x rank (64 tokens at rank 16, 16 at rank 64) and 48 tokens' columns, beside the products up to 2,048
+    tokens x rank; decode steps beside the products up to 96 tokens."""
 
     fuses_lora = True
 
     @staticmethod
-    def lora_path(num_tokens, multi, rank):
-        return KernelSettings(fold_multi_token_ranks=1024, beside_lora_tokens=96).lora_path(num_tokens, multi, rank)
+    def lora_path(num_tokens, multi, rank, columns):
+        assert columns == COLUMNS
+        settings = KernelSettings(fold_multi_token_ranks=1024, fold_multi_token_columns=48 * COLUMNS,
+                                  beside_multi_token_ranks=2048, beside_lora_tokens=96)
+        return settings.lora_path(num_tokens, multi, rank, columns)
 
 
 @pytest.mark.parametrize("lora,tokens,multi,path", [
@@ -50,11 +61,15 @@ class _FoldingOps(TorchOps):
     (GROUPED, 33, False, "beside"),  # decode past one wave of programs: each delta beside its product
     (GROUPED, 97, False, "after"),  # past beside_lora_tokens: the group op after each product
     (GROUPED, 10, True, "fold"),  # a verify pass (several tokens of a sequence)
-    (GROUPED, 64, True, "fold"),
-    (GROUPED, 65, True, "beside"),  # past fold_multi_token_ranks
+    (GROUPED, 48, True, "fold"),
+    (GROUPED, 49, True, "beside"),  # past fold_multi_token_columns (tokens x the layer's LoRA columns)
+    (GROUPED, 128, True, "beside"),
+    (GROUPED, 129, True, "after"),  # past beside_multi_token_ranks
     (GROUPED, 4096, True, "after"),  # a long prefill
-    (GROUPED64, 16, True, "fold"),  # a higher rank folds fewer tokens
-    (GROUPED64, 17, True, "beside"),
+    (GROUPED64, 16, True, "fold"),  # a higher rank folds fewer tokens...
+    (GROUPED64, 17, True, "beside"),  # past fold_multi_token_ranks
+    (GROUPED64, 32, True, "beside"),
+    (GROUPED64, 33, True, "after"),  # ...and puts fewer beside the products
     (GROUPED64, 32, False, "fold"),  # decode's bound does not depend on the rank
     (SimpleNamespace(groups=None), 1, False, "after"),  # no fused group stacks to pass
     (None, 1, False, "after"),  # no adapters in the batch
@@ -65,7 +80,20 @@ def test_lora_taking_ops_fold_decode_and_verify_sized_forwards_and_put_larger_on
     assert model.lora_path(lora, tokens, multi) == path
 
 
-def test_beside_lora_tokens_zero_keeps_unfolded_forwards_after_the_products():
-    settings = KernelSettings(fold_multi_token_ranks=0)
-    assert settings.lora_path(5, True, 16) == "after"
-    assert KernelSettings(fold_multi_token_ranks=0, beside_lora_tokens=5).lora_path(5, True, 16) == "beside"
+def test_the_default_paths_at_the_measured_shapes():
+    """KernelSettings' defaults at the Llama-3.2-1B (23,552 LoRA columns a layer) and 3.1-8B (43,008) shapes, batch 32
+    with k = 1..4 drafts (bench/RESULTS.md section 1): rank 16 folds up to 96 tokens at 1B and 64 at 8B, beside the
+    products past them; rank 64 folds 64 tokens, the kernels after the products past them; decode folds to 32."""
+    s = KernelSettings()
+    assert [s.lora_path(32 * (k + 1), True, 16, 23552) for k in range(1, 5)] == ["fold", "fold", "beside", "beside"]
+    assert [s.lora_path(32 * (k + 1), True, 16, 43008) for k in range(1, 5)] == ["fold", "beside", "beside", "beside"]
+    assert [s.lora_path(32 * (k + 1), True, 64, 23552) for k in range(1, 5)] == ["fold", "after", "after", "after"]
+    assert s.lora_path(32, False, 16, 43008) == "fold" and s.lora_path(33, False, 16, 43008) == "after"
+
+
+def test_zero_bounds_keep_unfolded_forwards_after_the_products():
+    settings = KernelSettings(fold_multi_token_ranks=0, beside_multi_token_ranks=0)
+    assert settings.lora_path(5, True, 16, 100) == "after"
+    assert KernelSettings(fold_multi_token_ranks=0).lora_path(5, True, 16, 100) == "beside"
+    assert KernelSettings(fold_multi_token_columns=0).lora_path(5, True, 16, 100) == "beside"
+    assert KernelSettings(fold_decode_tokens=0, beside_lora_tokens=5).lora_path(5, False, 16, 100) == "beside"

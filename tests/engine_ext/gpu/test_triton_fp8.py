@@ -56,5 +56,9 @@ def test_launch_settings_change_nothing():
         for s in (KernelSettings(fp8_block_k=64, fp8_block_n=16, fp8_stages=2, fp8_warps=2),
                   KernelSettings(fp8_block_k=512, fp8_block_n=128, fp8_stages=6, fp8_warps=8),
                   KernelSettings(fp8_split_steps=1 << 10),  # never split
-                  KernelSettings(fp8_block_k=64, fp8_programs=4096, fp8_split_steps=1)):  # split in 32
+                  KernelSettings(fp8_block_k=64, fp8_programs=4096, fp8_split_steps=1),  # split in 32
+                  # transposed tiles (weights first): tokens in tiles of 16 to 256, narrow and split
+                  KernelSettings(fp8_swap_tokens=256), KernelSettings(fp8_swap_tokens=256, fp8_block_m=256),
+                  KernelSettings(fp8_swap_tokens=256, fp8_block_m=16, fp8_block_n=64, fp8_block_k=64),
+                  KernelSettings(fp8_swap_tokens=256, fp8_block_m=128, fp8_programs=4096, fp8_split_steps=1)):
             assert _rel(fp8_linear_triton(x, w8, scale, settings=s), ref) < 2e-3  # bf16 outputs, sums in another order
