@@ -1,8 +1,9 @@
 """Where one decode or verify forward's GPU time goes: torch.profiler over eager forwards of the engine's model
 (Triton kernels on, no graph), kernels summed by name, beside the same forward's graph replay time. `--tokens`:
-query tokens a sequence (1: a decode step; k + 1: a verify pass over k drafts).
+query tokens a sequence (1: a decode step; k + 1: a verify pass over k drafts). `--kernel-settings`: the engine's
+KernelSettings (JSON, as bench/decode.py takes them); each record names the LoRA path its forward took.
 
-    python bench/profile_step.py --batch 32 --adapters 0 32 --rank 16 --tokens 1 5
+    python bench/profile_step.py --batch 32 --adapters 0 32 --rank 16 --tokens 1 5 [--kernel-settings '{...}']
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import build_random_adapter  # noqa: E402
 from bench.decode import CONTEXT, activate, build_engine, build_model_on_gpu, forward_point  # noqa: E402
 from engine_ext.batch import SeqWork, build_forward_batch  # noqa: E402
+from engine_ext.kernels import KernelSettings  # noqa: E402
 from engine_ext.model import LoRABatch  # noqa: E402
 
 
@@ -30,12 +32,15 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--tokens", nargs="+", type=int, default=[1], help="query tokens a sequence, each profiled")
     ap.add_argument("--workdir", default=os.environ.get("BENCH_DIR", tempfile.gettempdir()))
+    ap.add_argument("--kernel-settings", type=json.loads, default={}, help="KernelSettings fields (JSON object)")
+    ap.add_argument("--out", help="also write the records here (JSON)")
     args = ap.parse_args()
+    kernels = KernelSettings.from_dict(args.kernel_settings)
     model_dir = build_model_on_gpu(os.path.join(args.workdir, args.shape), args.shape)
     path = build_random_adapter(os.path.join(args.workdir, f"{args.shape}-r{args.rank}"), args.shape, args.rank, 1)
     n = max(args.adapters)
     engine = build_engine(model_dir, {f"a{i}": path for i in range(n)}, max_loras=max(n, 1), max_rank=args.rank,
-                          max_graph_tokens=args.batch * max(args.tokens))
+                          max_graph_tokens=args.batch * max(args.tokens), kernels=kernels)
     runner, slots, bs = engine.runner, engine.adapters.slots, engine.config.block_size
     out = []
     for distinct, tokens in [(d, t) for d in args.adapters for t in args.tokens]:
@@ -68,13 +73,18 @@ def main():
                 rows.append((t / 5 / 1e3, ev.count // 5, ev.key[:90]))
         rows.sort(reverse=True)
         total = sum(r[0] for r in rows)
-        rec = {"distinct": distinct, "tokens": tokens, "graph_gpu_ms": point["gpu_ms"], "kernel_sum_ms": total,
-               "kernels_per_forward": sum(r[1] for r in rows),
-               "top": [{"ms": round(r[0], 4), "count": r[1], "name": r[2]} for r in rows[:14]]}
+        path = runner.model.lora_path(lora, len(batch.input_ids), batch.attn.multi)
+        rec = {"shape": args.shape, "rank": args.rank, "batch": args.batch, "distinct": distinct, "tokens": tokens,
+               "lora_path": path, "kernel_settings": args.kernel_settings, "graph_gpu_ms": point["gpu_ms"],
+               "kernel_sum_ms": total, "kernels_per_forward": sum(r[1] for r in rows),
+               "top": [{"ms": round(r[0], 4), "count": r[1], "name": r[2]} for r in rows[:20]]}
         out.append(rec)
         print(json.dumps(rec, indent=1), flush=True)
-    print(json.dumps([{k: r[k] for k in ("distinct", "tokens", "graph_gpu_ms", "kernel_sum_ms", "kernels_per_forward")}
-                      for r in out]))
+    print(json.dumps([{k: r[k] for k in ("distinct", "tokens", "lora_path", "graph_gpu_ms", "kernel_sum_ms",
+                                         "kernels_per_forward")} for r in out]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
