@@ -200,6 +200,9 @@ for step in $STEPS; do
         timeout 120 python3 bench/profile_step.py --shape $shape --batch 32 --adapters 0 32 --rank 16 --tokens 1 5 \
           --out "$OUT/profile-${shape#llama-}.json" 2>&1 | quiet | tail -1
       done ;;
+    vgemm)  # the base model's bf16 products from decode to verify-pass sizes, in two orientations and split in two
+      timeout 120 python3 bench/verify_gemm.py --out "$OUT/verify_gemm.json" >"$OUT/verify_gemm.log" 2>&1
+      echo "vgemm rc $?"; grep '"tokens": 160' "$OUT/verify_gemm.log" | cut -c1-200 ;;
     8b)  # the 8B shape, base and plain
       timeout 240 python3 bench/decode.py --shapes llama-3.1-8b --ranks 16 --batches 1 32 --adapters 0 32 \
         --sections forward --kernel-settings "$KERNEL_SETTINGS" \
