@@ -3,8 +3,10 @@ runs it) scales from a decode step's tokens to a verify pass's, against the weig
 products of the 1B and 8B shapes. A verify pass at batch 32 with k = 4 drafts is 160 tokens; the base model alone over
 them took 1.98 ms on an H100 at 1B against 1.54 for the decode step (bench/RESULTS.md section 1), and the products are
 bound by their weights' bytes at both sizes. Beside F.linear each product is also timed in the other orientation
-(`torch.mm(w, x.T).T`: cuBLAS is asked for the transposed problem and may pick other tiles), through cuBLASLt, and
-with its tokens split in two products; each time is a CUDA-graph replay (triton.testing's do_bench_cudagraph), GB/s the weight bytes read.
+(`torch.mm(w, x.T).T`: cuBLAS is asked for the transposed problem and may pick other tiles), through cuBLASLt, with
+its tokens split in two products, and as triton_fp8's split-K GEMM over the bf16 weights (`linear_triton`, plain and
+with transposed tiles: what `KernelSettings.triton_linear_tokens` switches on); each time is a CUDA-graph replay
+(triton.testing's do_bench_cudagraph), GB/s the weight bytes read.
 
     python bench/verify_gemm.py --out verify_gemm.json [--tokens 32 64 96 128 160 192 256]
 """
@@ -23,6 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import commit, machine  # noqa: E402
 from bench.fp8_gemm import products, timed  # noqa: E402
+from engine_ext.kernels import KernelSettings  # noqa: E402
+
+SWAPPED = KernelSettings(fp8_swap_tokens=256, fp8_block_m=128)
 
 TOKENS = [32, 64, 96, 128, 144, 160, 192, 256]
 
@@ -41,6 +46,8 @@ def _with_cublaslt(fn):
 
 def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
     """name -> a product of x [T, in] and w [out, in] giving y [T, out] (equal up to the summation order)."""
+    from engine_ext.kernels.triton_fp8 import linear_triton
+
     half = x.shape[0] // 2
     return {
         "linear": lambda: F.linear(x, w),
@@ -48,6 +55,8 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict:
         "transposed": lambda: torch.mm(w, x.t()).t(),
         "transposed_contiguous": lambda: torch.mm(w, x.t()).t().contiguous(),
         "split_tokens": lambda: torch.cat([F.linear(x[:half], w), F.linear(x[half:], w)]),
+        "triton": lambda: linear_triton(x, w),  # the split-K GEMM (KernelSettings.triton_linear_tokens)
+        "triton_swapped": lambda: linear_triton(x, w, settings=SWAPPED),
     }
 
 

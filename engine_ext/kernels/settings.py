@@ -89,6 +89,12 @@ class KernelSettings:
     shrink_warps: int = 2
     expand_warps: int = 4
     expand_block_n: int = 0  # the expand's column tile; 0: from the rank
+    # ---- the dense (bf16) products of the Triton layer ops (TritonOps.linear): from this many tokens up to 256 they
+    # take triton_fp8's split-K GEMM over the weights as they are (launched with the fp8_* settings below) instead of
+    # cuBLAS; 0: never. cuBLAS's bf16 products at 160 tokens (a verify pass at batch 32, k = 4) ran well off their
+    # bytes on an H100 (1B down 1.8x, 8B o 1.8x their time at 32 tokens; bench/RESULTS.md section 15's GEMM rows):
+    # off until a verify pass measures faster with it (bench/gpu_run.sh steps vgemm and paths).
+    triton_linear_tokens: int = 0
     # ---- the FP8 weights' W8A16 GEMM (triton_fp8.py), decode-sized products (up to 256 tokens): K columns per inner
     # step, column tile, pipeline stages (K tiles in flight per program) and warps; K is split between programs while
     # the tiles number fewer than fp8_programs and each program keeps at least fp8_split_steps K tiles
@@ -136,6 +142,8 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.multi_run_tokens must be >= 1, got {self.multi_run_tokens}")
         if self.fold_multi_token_ranks < 0:
             raise ValueError(f"KernelSettings.fold_multi_token_ranks must be >= 0, got {self.fold_multi_token_ranks}")
+        if self.triton_linear_tokens < 0:
+            raise ValueError(f"KernelSettings.triton_linear_tokens must be >= 0, got {self.triton_linear_tokens}")
         if self.fp8_swap_tokens < 0:
             raise ValueError(f"KernelSettings.fp8_swap_tokens must be >= 0, got {self.fp8_swap_tokens}")
         for name in ("fp8_stages", "fp8_programs", "fp8_split_steps"):

@@ -43,9 +43,9 @@ SUM_BLOCK = 1024  # columns a program of the split-sum kernel adds up
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
-                  stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                  SPLIT: tl.constexpr, SWAP: tl.constexpr):
+                  stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+                  IEEE: tl.constexpr, SPLIT: tl.constexpr, SWAP: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -98,7 +98,8 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SPLIT == 1:
-        acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)
         tl.store(y_ptr + rm.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=m_in & n_in)
@@ -107,29 +108,31 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-                      SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """y[m, cols] = (the SPLIT partial sums, added in split order) * scale (+ bias), rounded once."""
+def _split_sum_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS_SCALE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """y[m, cols] = (the SPLIT partial sums, added in split order) (* scale) (+ bias), rounded once."""
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_in = rn < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + rn, mask=n_in, other=0.0)
-    acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_in)
 
 
-def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, x_bytes: int = 2
+def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, x_bytes: int = 2, w_bytes: int = 1
                   ) -> tuple[int, int, int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, swap) of a [M, K] x [K, N] product whose activations take
-    x_bytes an element; split is how many programs share a tile's K columns, the stages are as many as the settings
-    ask for while their tiles fit SMEM_BUDGET, and swap computes the tile transposed (weights first)."""
+    x_bytes an element and weights w_bytes; split is how many programs share a tile's K columns, the stages are as
+    many as the settings ask for while their tiles fit SMEM_BUDGET, and swap computes the tile transposed (weights
+    first)."""
     if M > BYTES_BOUND_M:
         block_m, block_n, block_k, warps, stages = _LARGE
-        return block_m, block_n, block_k, warps, _fit(stages, block_m, block_n, block_k, x_bytes), 1, False
+        return block_m, block_n, block_k, warps, _fit(stages, block_m, block_n, block_k, x_bytes, w_bytes), 1, False
     block_m = min(settings.fp8_block_m, max(16, triton.next_power_of_2(M)))
     block_k = min(settings.fp8_block_k, max(16, triton.next_power_of_2(K)))
     block_n = min(settings.fp8_block_n, max(16, triton.next_power_of_2(N)))
@@ -140,13 +143,13 @@ def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, 
     split = 1
     while tiles * split < settings.fp8_programs and steps >= 2 * split * settings.fp8_split_steps:
         split *= 2
-    stages = _fit(settings.fp8_stages, block_m, block_n, block_k, x_bytes)
+    stages = _fit(settings.fp8_stages, block_m, block_n, block_k, x_bytes, w_bytes)
     return block_m, block_n, block_k, settings.fp8_warps, stages, split, M <= settings.fp8_swap_tokens
 
 
-def _fit(stages: int, block_m: int, block_n: int, block_k: int, x_bytes: int) -> int:
-    """At most `stages` pipeline stages (at least 1) whose x and W8 tiles fit in SMEM_BUDGET bytes."""
-    per_stage = block_m * block_k * x_bytes + block_k * block_n
+def _fit(stages: int, block_m: int, block_n: int, block_k: int, x_bytes: int, w_bytes: int = 1) -> int:
+    """At most `stages` pipeline stages (at least 1) whose x and weight tiles fit in SMEM_BUDGET bytes."""
+    per_stage = block_m * block_k * x_bytes + block_k * block_n * w_bytes
     return max(1, min(stages, SMEM_BUDGET // per_stage))
 
 
@@ -154,31 +157,46 @@ def fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bi
                       *, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """quantization.fp8_linear's contract on the GPU: x [..., in], w8 [out, in] float8_e4m3fn (rows contiguous),
     scale [out] float32, bias [out] or None -> y [..., out] in x's dtype."""
+    if scale.numel() != w8.shape[0]:
+        raise ValueError(f"fp8 product: w8 {tuple(w8.shape)}, {scale.numel()} scales")
+    return _gemm(x, w8, scale, bias, settings)
+
+
+def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                  *, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
+    """F.linear's contract with the same kernel over weights in x's dtype (no widening, no scale): x [..., in],
+    w [out, in] (rows contiguous), bias [out] or None -> y [..., out]. Decode- and verify-sized products take its
+    split-K tiles (TritonOps.linear, KernelSettings.triton_linear_tokens)."""
+    return _gemm(x, w, None, bias, settings)
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+          settings: KernelSettings) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, K = x2.shape
-    N = w8.shape[0]
-    if w8.shape[1] != K or w8.stride(1) != 1 or scale.numel() != N:
-        raise ValueError(f"fp8 product: x {tuple(x.shape)}, w8 {tuple(w8.shape)} (strides {w8.stride()}), "
-                         f"{scale.numel()} scales")
+    N = w.shape[0]
+    if w.shape[1] != K or w.stride(1) != 1:
+        raise ValueError(f"product: x {tuple(x.shape)}, w {tuple(w.shape)} (strides {w.stride()})")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
-    block_m, block_n, block_k, warps, stages, split, swap = launch_config(M, N, K, settings, x.element_size())
+    block_m, block_n, block_k, warps, stages, split, swap = launch_config(M, N, K, settings, x.element_size(),
+                                                                          w.element_size())
     k_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_split)  # no empty share when K's tiles do not divide evenly
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    bias_arg = bias if bias is not None else scale
+    scale_arg = scale if scale is not None else y  # never read without HAS_SCALE
+    bias_arg = bias if bias is not None else scale_arg
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split)
-    _w8a16_kernel[grid](x2, w8, scale, bias_arg, y, part, M, N, K, k_split, x2.stride(0), w8.stride(0), y.stride(0),
-                        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M,
-                        EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32, SPLIT=split, SWAP=swap,
-                        num_warps=warps,
-                        num_stages=stages)
+    _w8a16_kernel[grid](x2, w, scale_arg, bias_arg, y, part, M, N, K, k_split, x2.stride(0), w.stride(0), y.stride(0),
+                        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                        BLOCK_K=block_k, GROUP=GROUP_M, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
+                        SPLIT=split, SWAP=swap, num_warps=warps, num_stages=stages)
     if split > 1:
-        _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](part, scale, bias_arg, y, M, N, y.stride(0),
-                                                          HAS_BIAS=bias is not None, SPLIT=split, BLOCK=SUM_BLOCK,
-                                                          num_warps=4)
+        _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](part, scale_arg, bias_arg, y, M, N, y.stride(0),
+                                                          HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+                                                          SPLIT=split, BLOCK=SUM_BLOCK, num_warps=4)
     return y.reshape(*lead, N)

@@ -35,6 +35,7 @@ from .pdl import launch as _launch
 from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .settings import KernelSettings
+from .triton_fp8 import BYTES_BOUND_M, linear_triton
 from .triton_lora import expand_delta, group_delta, lora_delta, slot_rank
 from .triton_lora import masks_ranks as _masks
 
@@ -420,11 +421,11 @@ class TritonOps:
     for the next add_rms_norm's `extra`; "beside", where every group's delta is such a buffer (`group_delta`,
     `lora_delta`), added by the rotary, SiLU and norm kernels.
 
-    The products stay cuBLAS's (F.linear): at decode sizes it is faster than a split-K Triton GEMM with the
-    LoRA expands in its epilogue for every product but the LM head (`git show 211e305:bench/RESULTS.md`)."""
+    The products are cuBLAS's (F.linear): at decode sizes it is faster than a split-K Triton GEMM with the
+    LoRA expands in its epilogue for every product but the LM head (`git show 211e305:bench/RESULTS.md`). Products
+    of `settings.triton_linear_tokens` to 256 tokens may take triton_fp8's split-K GEMM instead (off by default)."""
 
     fuses_lora = True
-    linear = staticmethod(F.linear)
 
     def __init__(self, settings: KernelSettings, device: torch.device):
         self.settings = settings
@@ -432,6 +433,12 @@ class TritonOps:
 
     def lora_path(self, num_tokens: int, multi: bool, rank: int, columns: int) -> str:
         return self.settings.lora_path(num_tokens, multi, rank, columns)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        first = self.settings.triton_linear_tokens
+        if first and first <= x.shape[0] <= BYTES_BOUND_M and x.dim() == 2 and weight.stride(1) == 1:
+            return linear_triton(x, weight, bias, settings=self.settings)
+        return F.linear(x, weight, bias)
 
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)

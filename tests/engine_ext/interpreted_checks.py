@@ -299,10 +299,10 @@ def engine():
     used.clear()
     assert run(lora_backend="triton", attn_backend="triton") == ref  # the Triton LoRA and attention, torch ops
     assert not used
-    # other launch settings change nothing
+    # other launch settings change nothing, the products in the split-K Triton GEMM included
     assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton",
                kernels={"attn_block_n": 16, "attn_rows": 0, "norm_chunk": 64, "silu_lora_block": 128,
-                        "expand_block_n": 16, "shrink_warps": 4}) == ref
+                        "expand_block_n": 16, "shrink_warps": 4, "triton_linear_tokens": 1}) == ref
     # speculative cycles: their verify passes (several tokens of one sequence) fold LoRA as decode steps do, and with
     # fold_multi_token_ranks and beside_multi_token_ranks 0 apply it with the split kernels after each product
     # instead; attention's wide tiles on and off
@@ -343,7 +343,7 @@ def fp8():
 
     from engine_ext import EngineConfig, LLMEngine, SamplingParams
     from engine_ext.kernels import KernelSettings
-    from engine_ext.kernels.triton_fp8 import fp8_linear_triton, launch_config
+    from engine_ext.kernels.triton_fp8 import fp8_linear_triton, launch_config, linear_triton
     from engine_ext.quantization import fp8_linear, quantize_fp8
 
     g = torch.Generator().manual_seed(0)
@@ -361,6 +361,23 @@ def fp8():
             _close(fp8_linear_triton(x, w8, scale, b, settings=settings), ref)
             swapped = dataclasses.replace(settings, fp8_swap_tokens=256, fp8_block_m=128)
             _close(fp8_linear_triton(x, w8, scale, b, settings=swapped), ref)
+        # the same kernel over dense weights (no widening, no scale): F.linear's contract
+        w = torch.randn(n, k, generator=g)
+        for settings in (KernelSettings(), split, dataclasses.replace(split, fp8_swap_tokens=256)):
+            _close(linear_triton(x, w, b, settings=settings), torch.nn.functional.linear(x, w, b))
+    # TritonOps.linear takes it from triton_linear_tokens tokens up to 256, cuBLAS's F.linear elsewhere
+    from engine_ext.kernels import triton_fused
+
+    taken = []
+    real = triton_fused.linear_triton
+    triton_fused.linear_triton = lambda *a, **kw: taken.append(a[0].shape[0]) or real(*a, **kw)
+    ops = triton_fused.TritonOps(KernelSettings(triton_linear_tokens=4), torch.device("cpu"))
+    w, b = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    for t in (1, 3, 4, 17, 256, 257):
+        x = torch.randn(t, 40, generator=g)
+        _close(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    triton_fused.linear_triton = real
+    assert taken == [4, 17, 256]
     x3 = torch.randn(2, 3, 64, generator=g)
     w8, scale = quantize_fp8(torch.randn(32, 64, generator=g))
     _close(fp8_linear_triton(x3, w8, scale), fp8_linear(x3, w8, scale))

@@ -1,5 +1,5 @@
-"""The FP8 weights' W8A16 GEMM (kernels/triton_fp8.py) against the plain-torch reference (quantization.fp8_linear), on
-the GPU: the 1B and 8B shapes' products at decode, verify and prompt token counts, odd sizes, a bias, strided rows,
+"""The FP8 weights' W8A16 GEMM (kernels/triton_fp8.py) against the plain-torch reference (quantization.fp8_linear), and
+the same kernel over bf16 weights against F.linear, on the GPU: the 1B and 8B shapes' products at decode, verify and prompt token counts, odd sizes, a bias, strided rows,
 other launch settings. In bfloat16 the kernel rounds once where the reference rounds its product and then its
 scaled product, so both are held to the float32 reference within bf16 rounding."""
 
@@ -62,3 +62,26 @@ def test_launch_settings_change_nothing():
                   KernelSettings(fp8_swap_tokens=256, fp8_block_m=16, fp8_block_n=64, fp8_block_k=64),
                   KernelSettings(fp8_swap_tokens=256, fp8_block_m=128, fp8_programs=4096, fp8_split_steps=1)):
             assert _rel(fp8_linear_triton(x, w8, scale, settings=s), ref) < 2e-3  # bf16 outputs, sums in another order
+
+
+@pytest.mark.parametrize("t,fin,fout", CASES)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_the_same_gemm_over_dense_weights_matches_f_linear(t, fin, fout, bias):
+    """linear_triton (the kernel over bf16 weights, no scale: TritonOps.linear from triton_linear_tokens tokens)
+    against cuBLAS's product, both held to the float32 product within bf16 rounding."""
+    import torch.nn.functional as F
+
+    from engine_ext.kernels import KernelSettings
+    from engine_ext.kernels.triton_fp8 import linear_triton
+
+    g = torch.Generator("cuda").manual_seed(t + fin + fout)
+    w = (torch.randn(fout, fin, generator=g, device="cuda") * fin**-0.5).to(torch.bfloat16)
+    b = torch.randn(fout, generator=g, device="cuda").to(torch.bfloat16) if bias else None
+    x = torch.randn(t, fin + 16, generator=g, device="cuda").to(torch.bfloat16)[:, 8:fin + 8]
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+    cublas = F.linear(x, w, b)
+    for settings in (KernelSettings(), KernelSettings(fp8_swap_tokens=256, fp8_block_m=128)):
+        out = linear_triton(x, w, b, settings=settings)
+        assert out.dtype == torch.bfloat16 and out.shape == (t, fout)
+        assert _rel(out, exact) < BF16_ROUNDING
+        assert _rel(out, exact) <= 1.5 * _rel(cublas, exact) + 1e-4
