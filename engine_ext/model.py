@@ -124,11 +124,12 @@ class LayerOps(Protocol):
 
     `extra` is a float32 delta added first (to delta in add_rms_norm). Ops that take LoRA math (`fuses_lora`) say
     where, per forward (`lora_path(num_tokens, multi, rank, columns)`; `multi`: some sequence has several tokens in
-    it, as in a verify pass; `rank`: the slots'; `columns`: a layer's LoRA output columns): "fold" (the `lora` arguments of the element-wise kernels, DecoderLayer.
-    fused_lora), "beside" (float32 deltas computed beside each product, DecoderLayer.beside_lora) or "after" (the
-    LoRA op after each product, DecoderLayer.plain); they also provide lora_delta, group_delta, expand_delta and
-    side_branch (kernels/triton_fused.TritonOps). The others are only ever passed None as `lora` and `extra` of the
-    rotary and SiLU ops."""
+    it, as in a verify pass; `rank`: the slots'; `columns`: a layer's LoRA output columns): "fold" (the `lora`
+    arguments of the element-wise kernels, DecoderLayer.fused_lora), "beside" (float32 deltas computed beside each
+    product, DecoderLayer.beside_lora), "mixed" (attention's folded, the MLP's beside, DecoderLayer.mixed_lora) or
+    "after" (the LoRA op after each product, DecoderLayer.plain); they also provide lora_delta, group_delta,
+    expand_delta and side_branch (kernels/triton_fused.TritonOps). The others are only ever passed None as `lora`
+    and `extra` of the rotary and SiLU ops."""
 
     fuses_lora: bool
 
@@ -211,6 +212,26 @@ class DecoderLayer(nn.Module):
         the norm kernels, their expands in the rotary and SiLU kernels, the down shrink in the SiLU kernel.
         The o delta and the down expand run on the side stream beside the o and down products, into float32
         buffers (`extra`) that the next norm kernel adds with the product. Returns (x, output, its extra)."""
+        return self._mlp_folded(ops, *self._attention_folded(ops, x, delta, extra, kv_cache, inp), inp)
+
+    def beside_lora(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, extra: torch.Tensor | None,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer with every group's LoRA delta computed on the side stream while the group's base product runs
+        (the split kernels, float32 buffers): the rotary kernel adds q/k/v's, the SiLU kernel gate/up's, the next
+        norm kernels o's and down's. Returns (x, output, its extra), as fused_lora."""
+        return self._mlp_beside(ops, *self._attention_beside(ops, x, delta, extra, kv_cache, inp), inp)
+
+    def mixed_lora(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, extra: torch.Tensor | None,
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention's LoRA folded as in fused_lora (its products are short, its columns few), the MLP's beside its
+        products as in beside_lora (gate/up's columns are most of a folded token's re-reads). Returns (x, output,
+        its extra), as fused_lora."""
+        return self._mlp_beside(ops, *self._attention_folded(ops, x, delta, extra, kv_cache, inp), inp)
+
+    def _attention_folded(self, ops, x, delta, extra, kv_cache, inp):
+        """The attention half of fused_lora -> (x, o, o's extra)."""
         i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
         x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra)
         qkv = self.linear(h, self.qkv, self.qkv_bias)
@@ -219,23 +240,10 @@ class DecoderLayer(nn.Module):
             extra = ops.lora_delta(attn, *lora.group_args(i, "o"), multi=inp.meta.multi)
         o = self.linear(attn, self.o)
         branch.join()
-        o, extra = self._reduce(o, extra)
-        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
-        gate_up = self.linear(h, self.gate_up)
-        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
-        with branch:
-            extra = ops.expand_delta(*lora.expand_args(i, "down", part))
-        down = self.linear(act, self.down)
-        branch.join()
-        down, extra = self._reduce(down, extra)
-        return x, down, extra
+        return x, *self._reduce(o, extra)
 
-    def beside_lora(self, ops: LayerOps, x: torch.Tensor, delta: torch.Tensor | None, extra: torch.Tensor | None,
-                    kv_cache: tuple[torch.Tensor, torch.Tensor], inp: LayerInputs,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer with every group's LoRA delta computed on the side stream while the group's base product runs
-        (the split kernels, float32 buffers): the rotary kernel adds q/k/v's, the SiLU kernel gate/up's, the next
-        norm kernels o's and down's. Returns (x, output, its extra), as fused_lora."""
+    def _attention_beside(self, ops, x, delta, extra, kv_cache, inp):
+        """The attention half of beside_lora -> (x, o, o's extra)."""
         i, lora, eps, branch, multi = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, inp.meta.multi
         x, h, _ = ops.add_rms_norm(x, delta, self.input_norm, eps, None, extra)
         with branch:
@@ -247,7 +255,23 @@ class DecoderLayer(nn.Module):
             extra = ops.lora_delta(attn, *lora.group_args(i, "o"), multi=multi)
         o = self.linear(attn, self.o)
         branch.join()
-        o, extra = self._reduce(o, extra)
+        return x, *self._reduce(o, extra)
+
+    def _mlp_folded(self, ops, x, o, extra, inp):
+        """The MLP half of fused_lora -> (x, down, down's extra)."""
+        i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
+        x, h, part = ops.add_rms_norm(x, o, self.post_norm, eps, lora.shrink_args(i, "gate_up"), extra)
+        gate_up = self.linear(h, self.gate_up)
+        act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
+        with branch:
+            extra = ops.expand_delta(*lora.expand_args(i, "down", part))
+        down = self.linear(act, self.down)
+        branch.join()
+        return x, *self._reduce(down, extra)
+
+    def _mlp_beside(self, ops, x, o, extra, inp):
+        """The MLP half of beside_lora -> (x, down, down's extra)."""
+        i, lora, eps, branch, multi = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, inp.meta.multi
         x, h, _ = ops.add_rms_norm(x, o, self.post_norm, eps, None, extra)
         with branch:
             d_gate_up = ops.group_delta(h, *lora.fused_group_args(i, "gate_up"), multi=multi)
@@ -258,8 +282,7 @@ class DecoderLayer(nn.Module):
             extra = ops.lora_delta(act, *lora.group_args(i, "down"), multi=multi)
         down = self.linear(act, self.down)
         branch.join()
-        down, extra = self._reduce(down, extra)
-        return x, down, extra
+        return x, *self._reduce(down, extra)
 
     def _reduce(self, y: torch.Tensor, extra: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A row-parallel product and its float32 LoRA delta summed over the ranks: one all-reduce of their sum
@@ -269,6 +292,10 @@ class DecoderLayer(nn.Module):
         if extra is not None:
             y = (y.float() + extra).to(y.dtype)
         return self.comm.all_reduce(y), None
+
+
+# A forward's LoRA path (CausalLM.lora_path) -> the layer method that runs it; "after" is DecoderLayer.plain
+_LAYER_LORA = {"fold": DecoderLayer.fused_lora, "beside": DecoderLayer.beside_lora, "mixed": DecoderLayer.mixed_lora}
 
 
 class CausalLM(nn.Module):
@@ -358,9 +385,9 @@ class CausalLM(nn.Module):
         delta = extra = None  # the last layer's output, not yet added to the residual stream x, and its LoRA delta
         path = self.lora_path(lora, input_ids.shape[0], meta.multi)
         if path != "after":
+            layer_lora = _LAYER_LORA[path]
             for layer, kv_cache in zip(self.layers, kv_caches):
-                layer_lora = layer.fused_lora if path == "fold" else layer.beside_lora
-                x, delta, extra = layer_lora(ops, x, delta, extra, kv_cache, inp)
+                x, delta, extra = layer_lora(layer, ops, x, delta, extra, kv_cache, inp)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, delta = layer.plain(ops, x, delta, kv_cache, inp)

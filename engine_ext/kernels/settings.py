@@ -73,6 +73,11 @@ class KernelSettings:
     # since at batch 32 it cost decode 8% against folding (bench/RESULTS.md section 1). 0: never.
     beside_multi_token_ranks: int = 4096
     beside_lora_tokens: int = 0
+    # Multi-token forwards that would go beside the products with at most this many tokens (and tokens x rank within
+    # fold_multi_token_ranks) take "mixed" instead: attention's LoRA folded (short products, 5,120 of 1B's 23,552
+    # columns), the MLP's beside its products (gate/up's columns are most of a folded token's re-reads); 0: never.
+    # Off until measured (bench/gpu_run.sh step paths).
+    mixed_multi_tokens: int = 0
     # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
     # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.
     multi_run_tokens: int = 4
@@ -135,7 +140,8 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
         if self.fold_decode_tokens < 0:
             raise ValueError(f"KernelSettings.fold_decode_tokens must be >= 0, got {self.fold_decode_tokens}")
-        for name in ("beside_lora_tokens", "beside_multi_token_ranks", "fold_multi_token_columns"):
+        for name in ("beside_lora_tokens", "beside_multi_token_ranks", "fold_multi_token_columns",
+                     "mixed_multi_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:
@@ -162,12 +168,16 @@ class KernelSettings:
           num_tokens x columns at most fold_multi_token_columns;
         - "beside": the others while num_tokens x rank is at most beside_multi_token_ranks (`multi`) or num_tokens
           at most beside_lora_tokens (one token a sequence), each group's delta computed beside its product;
+          `multi` ones of at most mixed_multi_tokens tokens (and tokens x rank within fold_multi_token_ranks)
+          "mixed": attention's folded, the MLP's beside;
         - "after": the rest, the split LoRA kernels after each product."""
         if multi:
-            if (num_tokens * rank <= self.fold_multi_token_ranks
-                    and num_tokens * columns <= self.fold_multi_token_columns):
+            folds_rank = num_tokens * rank <= self.fold_multi_token_ranks
+            if folds_rank and num_tokens * columns <= self.fold_multi_token_columns:
                 return "fold"
-            return "beside" if num_tokens * rank <= self.beside_multi_token_ranks else "after"
+            if num_tokens * rank > self.beside_multi_token_ranks:
+                return "after"
+            return "mixed" if folds_rank and num_tokens <= self.mixed_multi_tokens else "beside"
         if num_tokens <= self.fold_decode_tokens:
             return "fold"
         return "beside" if num_tokens <= self.beside_lora_tokens else "after"

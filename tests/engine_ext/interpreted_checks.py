@@ -334,6 +334,17 @@ def engine():
     besides.clear()
     assert run(kernels={"fold_decode_tokens": 0, "beside_lora_tokens": 4096}, **kernels) == ref
     assert besides and not any(besides)  # decode steps (and prompts) beside the products
+    # "mixed": attention's LoRA folded, the MLP's beside its products
+    from engine_ext.model import DecoderLayer
+
+    halves = []
+    real = {name: getattr(DecoderLayer, name) for name in ("_attention_beside", "_mlp_beside")}
+    for name, method in real.items():
+        setattr(DecoderLayer, name, lambda *a, name=name, method=method: halves.append(name) or method(*a))
+    assert run(speculative=spec, kernels={"fold_multi_token_columns": 1, "mixed_multi_tokens": 4096}, **kernels) == ref
+    for name, method in real.items():
+        setattr(DecoderLayer, name, method)
+    assert "_mlp_beside" in halves and "_attention_beside" not in halves  # every multi-token forward mixed
 
 def fp8():
     """The W8A16 GEMM against quantization.fp8_linear: decode-sized and prompt-sized products, ragged N and K, a bias,

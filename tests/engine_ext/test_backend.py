@@ -91,6 +91,17 @@ def test_the_default_paths_at_the_measured_shapes():
     assert s.lora_path(32, False, 16, 43008) == "fold" and s.lora_path(33, False, 16, 43008) == "after"
 
 
+def test_mixed_takes_unfolded_multi_token_forwards_within_its_tokens_and_the_fold_rank_bound():
+    s = KernelSettings(mixed_multi_tokens=160)
+    assert [s.lora_path(32 * (k + 1), True, 16, 23552) for k in range(1, 6)] == [
+        "fold", "fold", "mixed", "mixed", "beside"]  # 192 tokens: past mixed_multi_tokens
+    assert s.lora_path(32, False, 16, 23552) == "fold" and s.lora_path(64, False, 16, 23552) == "after"
+    assert s.lora_path(96, True, 64, 23552) == "after"  # past beside_multi_token_ranks
+    wide = KernelSettings(mixed_multi_tokens=160, beside_multi_token_ranks=1 << 20)
+    assert wide.lora_path(96, True, 64, 23552) == "beside"  # past fold_multi_token_ranks: attention cannot fold
+    assert KernelSettings().lora_path(128, True, 16, 23552) == "beside"  # off by default
+
+
 def test_zero_bounds_keep_unfolded_forwards_after_the_products():
     settings = KernelSettings(fold_multi_token_ranks=0, beside_multi_token_ranks=0)
     assert settings.lora_path(5, True, 16, 100) == "after"
