@@ -15,9 +15,9 @@ RESULT=$OUT
 OUT=${WORK_DIR:-/tmp/gpu-run}
 mkdir -p "$OUT"
 pack() { tar -czf "$RESULT/gpu-run.tgz" -C "$OUT" . ; }
-# pytest-xdist, where installed, runs the GPU suite in 4 workers (most of its time is Triton compiling)
+# pytest-xdist, where installed, runs the GPU suite in 14 workers (most of its time is Triton compiling; 16 cores)
 XDIST=""
-python3 -c "import xdist" 2>/dev/null && XDIST="-n ${TESTS_WORKERS:-4} --dist ${TESTS_DIST:-worksteal}"
+python3 -c "import xdist" 2>/dev/null && XDIST="-n ${TESTS_WORKERS:-14} --dist ${TESTS_DIST:-worksteal}"
 # Python packages the device image lacks (pyzmq, for the engine core in its own process), carried as wheels in
 # $WHEELS_DIR (default .whl: see /work/.library/device/README.md, Notes, for fetching cp312 manylinux wheels)
 if ! python3 -c "import zmq" 2>/dev/null && ls ${WHEELS_DIR:-.whl}/*.whl >/dev/null 2>&1; then
