@@ -30,7 +30,7 @@ SWEEP_SHAPE = "llama-3.1-8b"
 # The sweep changes one launch setting at a time from the defaults, then times the best value of each together
 SWEEP_VALUES = {"fp8_block_n": (64, 256), "fp8_block_k": (64, 256), "fp8_programs": (132, 528, 1056),
                 "fp8_split_steps": (1, 2, 8), "fp8_stages": (2, 3, 6), "fp8_warps": (2, 8), "fp8_block_m": (128, 256),
-                "fp8_swap_tokens": (256,)}
+                "fp8_swap_tokens": (256,), "fp8_gemv_tokens": (16,)}
 SWEEP = [{}] + [{name: v} for name, values in SWEEP_VALUES.items() for v in values]
 
 

@@ -116,6 +116,12 @@ class KernelSettings:
     fp8_split_steps: int = 4
     fp8_stages: int = 4
     fp8_warps: int = 4
+    # products of at most this many tokens take a GEMV kernel instead (no tensor cores: each weight tile widened to
+    # float32 once and multiplied by every token's row, in fp8_gemv_block_n-row tiles, K split as above; the GEMM's
+    # decode tiles stream FP8 weights at about half of HBM's bandwidth at one token, bench/RESULTS.md section 15);
+    # 0: never. Off until measured (bench/fp8_gemm.py --variants).
+    fp8_gemv_tokens: int = 0
+    fp8_gemv_block_n: int = 64
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -126,7 +132,8 @@ class KernelSettings:
                      "expand_warps", "fp8_warps"):
             _check_pow2(name, getattr(self, name), 1, 32)
         # Tile sides of tl.arange / tl.dot: powers of two, at least 16
-        for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n", "fp8_block_m"):
+        for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n", "fp8_block_m",
+                     "fp8_gemv_block_n"):
             _check_pow2(name, getattr(self, name), 16, 1 << 16)
         for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi"):
             if getattr(self, name):
@@ -150,6 +157,8 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.fold_multi_token_ranks must be >= 0, got {self.fold_multi_token_ranks}")
         if self.triton_linear_tokens < 0:
             raise ValueError(f"KernelSettings.triton_linear_tokens must be >= 0, got {self.triton_linear_tokens}")
+        if not 0 <= self.fp8_gemv_tokens <= 16:
+            raise ValueError(f"KernelSettings.fp8_gemv_tokens must be in 0..16, got {self.fp8_gemv_tokens}")
         if self.fp8_swap_tokens < 0:
             raise ValueError(f"KernelSettings.fp8_swap_tokens must be >= 0, got {self.fp8_swap_tokens}")
         for name in ("fp8_stages", "fp8_programs", "fp8_split_steps"):

@@ -124,6 +124,58 @@ def _split_sum_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, HAS
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=n_in)
 
 
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                 stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, M_TILE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The products of a few tokens without the tensor cores: a program widens its [BLOCK_N, BLOCK_K] weight tiles
+    to float32 once and multiplies them by each of its M_TILE tokens' rows (float32 sums), over its K share."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = rn < N
+    k_first = pid_k * K_SPLIT
+    rk = k_first + tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, M_TILE)
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    acc = tl.zeros((M_TILE, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_first, tl.minimum(k_first + K_SPLIT, K), BLOCK_K):
+        k_in = rk + (k0 - k_first) < K
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_in[:, None], other=0.0).to(tl.float32)
+        else:
+            w = tl.load(w_ptrs, mask=n_in[:, None] & k_in[None, :], other=0.0).to(tl.float32)
+        for i in tl.static_range(M_TILE):
+            m = pid_m * M_TILE + i
+            x = tl.load(x_ptr + m.to(tl.int64) * stride_xm + rk + (k0 - k_first), mask=k_in & (m < M),
+                        other=0.0).to(tl.float32)
+            acc += tl.where(rows[:, None] == i, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+        w_ptrs += BLOCK_K
+    rm = pid_m * M_TILE + rows[:, None]
+    mask = (rm < M) & n_in[None, :]
+    if SPLIT == 1:
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + rn, mask=n_in, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_in, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + rm).to(tl.int64) * N + rn[None, :], acc, mask=mask)
+
+
+def _gemv_config(M: int, N: int, K: int, settings: KernelSettings) -> tuple[int, int, int, int]:
+    """(M_TILE, BLOCK_N, BLOCK_K, split) of the GEMV kernel: every token in one tile (weights read once), K split
+    as the GEMM's decode tiles split it."""
+    m_tile = triton.next_power_of_2(M)
+    block_n = min(settings.fp8_gemv_block_n, max(16, triton.next_power_of_2(N)))
+    block_k = min(settings.fp8_block_k, max(16, triton.next_power_of_2(K)))
+    tiles, steps, split = triton.cdiv(N, block_n), triton.cdiv(K, block_k), 1
+    while tiles * split < settings.fp8_programs and steps >= 2 * split * settings.fp8_split_steps:
+        split *= 2
+    return m_tile, block_n, block_k, split
+
+
 def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, x_bytes: int = 2, w_bytes: int = 1
                   ) -> tuple[int, int, int, int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, swap) of a [M, K] x [K, N] product whose activations take
@@ -183,20 +235,40 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: to
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
+    scale_arg = scale if scale is not None else y  # never read without HAS_SCALE
+    bias_arg = bias if bias is not None else scale_arg
+    if M <= settings.fp8_gemv_tokens:
+        m_tile, block_n, block_k, split = _gemv_config(M, N, K, settings)
+        k_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
+        split = triton.cdiv(K, k_split)
+        part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+        _gemv_kernel[(triton.cdiv(N, block_n), split, triton.cdiv(M, m_tile))](
+            x2, w, scale_arg, bias_arg, y, part, M, N, K, k_split, x2.stride(0), w.stride(0), y.stride(0),
+            HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, M_TILE=m_tile, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=K % block_k == 0, SPLIT=split, num_warps=settings.fp8_warps)
+        return _sum_splits(y, part, scale, bias, split).reshape(*lead, N)
     block_m, block_n, block_k, warps, stages, split, swap = launch_config(M, N, K, settings, x.element_size(),
                                                                           w.element_size())
     k_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_split)  # no empty share when K's tiles do not divide evenly
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    scale_arg = scale if scale is not None else y  # never read without HAS_SCALE
-    bias_arg = bias if bias is not None else scale_arg
     grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), split)
     _w8a16_kernel[grid](x2, w, scale_arg, bias_arg, y, part, M, N, K, k_split, x2.stride(0), w.stride(0), y.stride(0),
                         HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                         BLOCK_K=block_k, GROUP=GROUP_M, EVEN_K=K % block_k == 0, IEEE=x.dtype == torch.float32,
                         SPLIT=split, SWAP=swap, num_warps=warps, num_stages=stages)
+    return _sum_splits(y, part, scale, bias, split).reshape(*lead, N)
+
+
+def _sum_splits(y: torch.Tensor, part: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                split: int) -> torch.Tensor:
+    """y from the float32 partial sums of a product whose K was split (scale and bias applied once); as it is
+    when it was not (the product kernel wrote y itself)."""
     if split > 1:
-        _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](part, scale_arg, bias_arg, y, M, N, y.stride(0),
-                                                          HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
-                                                          SPLIT=split, BLOCK=SUM_BLOCK, num_warps=4)
-    return y.reshape(*lead, N)
+        M, N = y.shape
+        scale_arg = scale if scale is not None else y
+        _split_sum_kernel[(M, triton.cdiv(N, SUM_BLOCK))](part, scale_arg, bias if bias is not None else scale_arg,
+                                                          y, M, N, y.stride(0), HAS_SCALE=scale is not None,
+                                                          HAS_BIAS=bias is not None, SPLIT=split, BLOCK=SUM_BLOCK,
+                                                          num_warps=4)
+    return y

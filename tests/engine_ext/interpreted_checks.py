@@ -367,14 +367,18 @@ def fp8():
         b = torch.randn(n, generator=g) if bias else None
         x = torch.randn(m, k + 8, generator=g)[:, 3:k + 3]  # rows strided past their length
         ref = fp8_linear(x, w8, scale, b)
-        # each also with its decode-sized tiles transposed (weights first), tokens in tiles of up to 128
+        # each also with its decode-sized tiles transposed (weights first), tokens in tiles of up to 128, and with
+        # products of up to 16 tokens in the GEMV kernel (K split or not)
         for settings in (KernelSettings(), narrow, split):
             _close(fp8_linear_triton(x, w8, scale, b, settings=settings), ref)
             swapped = dataclasses.replace(settings, fp8_swap_tokens=256, fp8_block_m=128)
             _close(fp8_linear_triton(x, w8, scale, b, settings=swapped), ref)
+            gemv = dataclasses.replace(settings, fp8_gemv_tokens=16, fp8_gemv_block_n=16)
+            _close(fp8_linear_triton(x, w8, scale, b, settings=gemv), ref)
         # the same kernel over dense weights (no widening, no scale): F.linear's contract
         w = torch.randn(n, k, generator=g)
-        for settings in (KernelSettings(), split, dataclasses.replace(split, fp8_swap_tokens=256)):
+        for settings in (KernelSettings(), split, dataclasses.replace(split, fp8_swap_tokens=256),
+                         dataclasses.replace(split, fp8_gemv_tokens=16)):
             _close(linear_triton(x, w, b, settings=settings), torch.nn.functional.linear(x, w, b))
     # TritonOps.linear takes it from triton_linear_tokens tokens up to 256, cuBLAS's F.linear elsewhere
     from engine_ext.kernels import triton_fused
@@ -420,6 +424,7 @@ def fp8():
     engine, out = run(lora_backend="triton", attn_backend="triton", layer_ops="triton")
     assert out == ref
     assert engine.runner.model.layers[0].linear.__self__.matmul.func is fp8_linear_triton
+    assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton", kernels={"fp8_gemv_tokens": 8})[1] == ref
 
 
 def growth():

@@ -42,6 +42,8 @@ def test_from_dict_sets_the_named_fields_and_keeps_the_rest():
     ({"fold_multi_token_columns": -5}, "fold_multi_token_columns must be >= 0"),
     ({"triton_linear_tokens": -1}, "triton_linear_tokens must be >= 0"),
     ({"mixed_multi_tokens": -2}, "mixed_multi_tokens must be >= 0"),
+    ({"fp8_gemv_tokens": 17}, "fp8_gemv_tokens must be in 0..16"),
+    ({"fp8_gemv_block_n": 24}, "fp8_gemv_block_n must be a power of two"),
     ({"fold_decode_tokens": -1}, "fold_decode_tokens must be >= 0"),
     ({"multi_run_tokens": 0}, "multi_run_tokens must be >= 1"),
 ])

@@ -50,7 +50,7 @@ def test_launch_settings_change_nothing():
 
     g = torch.Generator("cuda").manual_seed(0)
     w8, scale = quantize_fp8(torch.randn(4096, 4096, generator=g, device="cuda"))
-    for t in (1, 32, 64, 160):
+    for t in (1, 5, 16, 32, 64, 160):
         x = torch.randn(t, 4096, generator=g, device="cuda").to(torch.bfloat16)
         ref = fp8_linear_triton(x, w8, scale)
         for s in (KernelSettings(fp8_block_k=64, fp8_block_n=16, fp8_stages=2, fp8_warps=2),
@@ -60,7 +60,10 @@ def test_launch_settings_change_nothing():
                   # transposed tiles (weights first): tokens in tiles of 16 to 256, narrow and split
                   KernelSettings(fp8_swap_tokens=256), KernelSettings(fp8_swap_tokens=256, fp8_block_m=256),
                   KernelSettings(fp8_swap_tokens=256, fp8_block_m=16, fp8_block_n=64, fp8_block_k=64),
-                  KernelSettings(fp8_swap_tokens=256, fp8_block_m=128, fp8_programs=4096, fp8_split_steps=1)):
+                  KernelSettings(fp8_swap_tokens=256, fp8_block_m=128, fp8_programs=4096, fp8_split_steps=1),
+                  # a few tokens in the GEMV kernel (no tensor cores), K split and not
+                  KernelSettings(fp8_gemv_tokens=16), KernelSettings(fp8_gemv_tokens=16, fp8_gemv_block_n=32,
+                                                                     fp8_block_k=512, fp8_split_steps=1 << 10)):
             assert _rel(fp8_linear_triton(x, w8, scale, settings=s), ref) < 2e-3  # bf16 outputs, sums in another order
 
 
