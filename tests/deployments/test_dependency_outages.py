@@ -116,8 +116,11 @@ def app(tmp_path_factory):
     registry = {"redis_url": redis.url, "redis_prefix": "outage", "s3_bucket": bucket, "s3_endpoint_url": s3.url,
                 "materialize_dir": str(tmp / "mat"), "allowed_local_roots": [str(tmp / "in")], "store_timeout_s": 1.0,
                 "upload_dir": str(tmp / "uploads")}
+    # the tenant's rate limit out of the way: the outage load (four clients in tight loops, a poller) runs at about
+    # the default 50 requests/s, and a 429 from the tenant's bucket would read as an outage's refusal
     cfg = bootstrap(load_config({"demo_recipe": "quick", "num_replicas": 1, "num_cpus_per_replica": 0.1,
-                                 "ingress_num_cpus": 0.1, "api_keys": {KEY: "acme"}, "registry": registry}, env={}))
+                                 "ingress_num_cpus": 0.1, "api_keys": {KEY: "acme"}, "registry": registry,
+                                 "tenant_rates": {"acme": {"rate": 1e6, "burst": 1e6}}}, env={}))
     reg = make_registry(cfg)
     demo = demo_paths(cfg)["adapters"]
     for name in ("fresh-redis", "fresh-s3"):  # never asked for before its outage
