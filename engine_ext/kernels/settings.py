@@ -143,24 +143,16 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
         if self.rank_masks not in (0, 1):
             raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
-        if self.pdl_max_tokens < 0:
-            raise ValueError(f"KernelSettings.pdl_max_tokens must be >= 0, got {self.pdl_max_tokens}")
-        if self.fold_decode_tokens < 0:
-            raise ValueError(f"KernelSettings.fold_decode_tokens must be >= 0, got {self.fold_decode_tokens}")
-        for name in ("beside_lora_tokens", "beside_multi_token_ranks", "fold_multi_token_columns",
-                     "mixed_multi_tokens"):
+        # token and size bounds where 0 switches the thing off
+        for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
+                     "beside_lora_tokens", "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens",
+                     "fp8_swap_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:
             raise ValueError(f"KernelSettings.multi_run_tokens must be >= 1, got {self.multi_run_tokens}")
-        if self.fold_multi_token_ranks < 0:
-            raise ValueError(f"KernelSettings.fold_multi_token_ranks must be >= 0, got {self.fold_multi_token_ranks}")
-        if self.triton_linear_tokens < 0:
-            raise ValueError(f"KernelSettings.triton_linear_tokens must be >= 0, got {self.triton_linear_tokens}")
         if not 0 <= self.fp8_gemv_tokens <= 16:
             raise ValueError(f"KernelSettings.fp8_gemv_tokens must be in 0..16, got {self.fp8_gemv_tokens}")
-        if self.fp8_swap_tokens < 0:
-            raise ValueError(f"KernelSettings.fp8_swap_tokens must be >= 0, got {self.fp8_swap_tokens}")
         for name in ("fp8_stages", "fp8_programs", "fp8_split_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KernelSettings.{name} must be >= 1, got {getattr(self, name)}")

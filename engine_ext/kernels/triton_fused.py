@@ -430,13 +430,15 @@ class TritonOps:
     def __init__(self, settings: KernelSettings, device: torch.device):
         self.settings = settings
         self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
+        # the products: cuBLAS's, or by their tokens (triton_linear_tokens) cuBLAS's or the split-K Triton GEMM
+        self.linear = self._linear_by_tokens if settings.triton_linear_tokens else F.linear
 
     def lora_path(self, num_tokens: int, multi: bool, rank: int, columns: int) -> str:
         return self.settings.lora_path(num_tokens, multi, rank, columns)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        first = self.settings.triton_linear_tokens
-        if first and first <= x.shape[0] <= BYTES_BOUND_M and x.dim() == 2 and weight.stride(1) == 1:
+    def _linear_by_tokens(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        if self.settings.triton_linear_tokens <= x.shape[0] <= BYTES_BOUND_M and x.dim() == 2 and weight.stride(1) == 1:
             return linear_triton(x, weight, bias, settings=self.settings)
         return F.linear(x, weight, bias)
 
