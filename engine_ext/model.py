@@ -232,15 +232,11 @@ class DecoderLayer(nn.Module):
 
     def _attention_folded(self, ops, x, delta, extra, kv_cache, inp):
         """The attention half of fused_lora -> (x, o, o's extra)."""
-        i, lora, eps, branch = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch
+        i, lora, eps = self.index, inp.lora, self.spec.rms_norm_eps
         x, h, part = ops.add_rms_norm(x, delta, self.input_norm, eps, lora.shrink_args(i, "qkv"), extra)
         qkv = self.linear(h, self.qkv, self.qkv_bias)
         attn = self._attention(ops, qkv, kv_cache, inp, lora.expand_args(i, "qkv", part))
-        with branch:
-            extra = ops.lora_delta(attn, *lora.group_args(i, "o"), multi=inp.meta.multi)
-        o = self.linear(attn, self.o)
-        branch.join()
-        return x, *self._reduce(o, extra)
+        return x, *self._o_beside(ops, attn, inp)
 
     def _attention_beside(self, ops, x, delta, extra, kv_cache, inp):
         """The attention half of beside_lora -> (x, o, o's extra)."""
@@ -251,11 +247,16 @@ class DecoderLayer(nn.Module):
         qkv = self.linear(h, self.qkv, self.qkv_bias)
         branch.join()
         attn = self._attention(ops, qkv, kv_cache, inp, extra=d_qkv)
-        with branch:
-            extra = ops.lora_delta(attn, *lora.group_args(i, "o"), multi=multi)
+        return x, *self._o_beside(ops, attn, inp)
+
+    def _o_beside(self, ops, attn, inp):
+        """The o product with its LoRA delta computed beside it on the side stream (both attention halves) -> (o,
+        its float32 extra), summed over the ranks."""
+        with ops.side_branch:
+            extra = ops.lora_delta(attn, *inp.lora.group_args(self.index, "o"), multi=inp.meta.multi)
         o = self.linear(attn, self.o)
-        branch.join()
-        return x, *self._reduce(o, extra)
+        ops.side_branch.join()
+        return self._reduce(o, extra)
 
     def _mlp_folded(self, ops, x, o, extra, inp):
         """The MLP half of fused_lora -> (x, down, down's extra)."""
