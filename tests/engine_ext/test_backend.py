@@ -82,11 +82,14 @@ def test_lora_taking_ops_fold_decode_and_verify_sized_forwards_and_put_larger_on
 
 def test_the_default_paths_at_the_measured_shapes():
     """KernelSettings' defaults at the Llama-3.2-1B (23,552 LoRA columns a layer) and 3.1-8B (43,008) shapes, batch 32
-    with k = 1..4 drafts (bench/RESULTS.md section 1): rank 16 folds up to 96 tokens at 1B and 64 at 8B, beside the
-    products past them; rank 64 folds 64 tokens, the kernels after the products past them; decode folds to 32."""
+    with k = 1..4 drafts (bench/RESULTS.md section 1): rank 16 folds up to 96 tokens at 1B, beside the products past
+    them, and goes beside them at every size at 8B (a layer wider than fold_multi_layer_columns); rank 64 folds 64
+    tokens, the kernels after the products past them; decode folds to 32 at both."""
     s = KernelSettings()
     assert [s.lora_path(32 * (k + 1), True, 16, 23552) for k in range(1, 5)] == ["fold", "fold", "beside", "beside"]
-    assert [s.lora_path(32 * (k + 1), True, 16, 43008) for k in range(1, 5)] == ["fold", "beside", "beside", "beside"]
+    assert [s.lora_path(32 * (k + 1), True, 16, 43008) for k in range(1, 5)] == ["beside"] * 4
+    assert [s.lora_path(8 * (k + 1), True, 16, 43008) for k in range(1, 5)] == ["beside"] * 4
+    assert [s.lora_path(8 * (k + 1), True, 16, 23552) for k in range(1, 5)] == ["fold"] * 4
     assert [s.lora_path(32 * (k + 1), True, 64, 23552) for k in range(1, 5)] == ["fold", "after", "after", "after"]
     assert s.lora_path(32, False, 16, 43008) == "fold" and s.lora_path(33, False, 16, 43008) == "after"
 
@@ -107,4 +110,6 @@ def test_zero_bounds_keep_unfolded_forwards_after_the_products():
     assert settings.lora_path(5, True, 16, 100) == "after"
     assert KernelSettings(fold_multi_token_ranks=0).lora_path(5, True, 16, 100) == "beside"
     assert KernelSettings(fold_multi_token_columns=0).lora_path(5, True, 16, 100) == "beside"
+    assert KernelSettings(fold_multi_layer_columns=99).lora_path(5, True, 16, 100) == "beside"
+    assert KernelSettings(fold_multi_layer_columns=0).lora_path(5, True, 16, 50000) == "fold"  # no layer bound
     assert KernelSettings(fold_decode_tokens=0, beside_lora_tokens=5).lora_path(5, False, 16, 100) == "beside"
