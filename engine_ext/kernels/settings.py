@@ -86,6 +86,12 @@ class KernelSettings:
     # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
     # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.
     multi_run_tokens: int = 4
+    # 1: multi-token forwards launch the split LoRA kernels (beside the products, and o's and down's beside theirs when
+    # folding) over a table of the runs' leaders made once a forward (triton_lora.run_leaders: at most sequences +
+    # tokens / 16 program rows: 42 for a verify pass at batch 32, k = 4) instead of a program row a token, where all
+    # but each run's leader exit at once (gate/up's expand at that pass: 5,120 programs, 4,096 of them empty).
+    # 0: a row a token. Off until measured (bench/gpu_run.sh step paths).
+    lora_run_grid: int = 0
     # ---- programmatic dependent launch (pdl.py): the fused kernels and attention launch with it in forwards of up to
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel
     # before it shortens the forward); 0: never
@@ -146,8 +152,9 @@ class KernelSettings:
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
-        if self.rank_masks not in (0, 1):
-            raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
+        for name in ("rank_masks", "lora_run_grid"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"KernelSettings.{name} must be 0 or 1, got {getattr(self, name)}")
         # token and size bounds where 0 switches the thing off
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
                      "fold_multi_layer_columns",

@@ -36,7 +36,7 @@ from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .settings import KernelSettings
 from .triton_fp8 import BYTES_BOUND_M, linear_triton
-from .triton_lora import expand_delta, group_delta, lora_delta, slot_rank
+from .triton_lora import expand_delta, group_delta, lora_delta, run_leaders, slot_rank
 from .triton_lora import masks_ranks as _masks
 
 _DEFAULTS = KernelSettings()
@@ -456,14 +456,21 @@ class TritonOps:
     def _run_tokens(self, multi: bool) -> int:
         return self.settings.multi_run_tokens if multi else 1
 
-    def lora_delta(self, x, a, b, scale, slots, ranks=None, multi=False):
-        """One module's delta ([T, out] float32); `multi`: the forward has several tokens of a sequence."""
-        return lora_delta(x, a, b, scale, slots, ranks, run_tokens=self._run_tokens(multi), settings=self.settings)
+    def run_leaders(self, slots: torch.Tensor, num_seqs: int) -> torch.Tensor | None:
+        """A multi-token forward's table of LoRA runs (triton_lora.run_leaders), made once for all its layers'
+        split kernels, with settings.lora_run_grid; else None (the kernels launch a program row a token)."""
+        return run_leaders(slots, num_seqs) if self.settings.lora_run_grid else None
 
-    def group_delta(self, x, a, b, scale, slots, segments, ranks=None, multi=False):
+    def lora_delta(self, x, a, b, scale, slots, ranks=None, multi=False, leaders=None):
+        """One module's delta ([T, out] float32); `multi`: the forward has several tokens of a sequence; `leaders`:
+        its run_leaders table, if any."""
+        return lora_delta(x, a, b, scale, slots, ranks, run_tokens=self._run_tokens(multi), settings=self.settings,
+                          leaders=leaders)
+
+    def group_delta(self, x, a, b, scale, slots, segments, ranks=None, multi=False, leaders=None):
         """A fused group's deltas ([T, out_total] float32)."""
         return group_delta(x, a, b, scale, slots, segments, ranks, run_tokens=self._run_tokens(multi),
-                           settings=self.settings)
+                           settings=self.settings, leaders=leaders)
 
-    def expand_delta(self, part, b, scale, slots, ranks=None):
-        return expand_delta(part, b, scale, slots, ranks, settings=self.settings)
+    def expand_delta(self, part, b, scale, slots, ranks=None, leaders=None):
+        return expand_delta(part, b, scale, slots, ranks, settings=self.settings, leaders=leaders)
