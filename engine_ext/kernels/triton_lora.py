@@ -58,6 +58,23 @@ def _run_rows(slots_ptr, t, T, BLOCK_T: tl.constexpr):
     return slot, leader, offs_t, rows
 
 
+@triton.jit
+def _leaders_kernel(slots_ptr, table_ptr, T, BOUND, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: table[:BOUND] = -1, then the i-th run's leader token into table[i]."""
+    offs = tl.arange(0, BLOCK)
+    live = offs < T
+    slot = tl.load(slots_ptr + offs, mask=live, other=-1)
+    prev = tl.load(slots_ptr + offs - 1, mask=live & (offs > 0), other=-1)
+    lead = live & ((slot != prev) | (offs % BLOCK_T == 0))
+    order = tl.cumsum(lead.to(tl.int32), axis=0) - 1
+    tl.store(table_ptr + offs, tl.full([BLOCK], -1, tl.int32), mask=offs < BOUND)
+    tl.debug_barrier()  # the fill before the leaders (the same addresses, other threads)
+    tl.store(table_ptr + order, offs, mask=lead & (order < BOUND))
+
+
+_LEADERS_BLOCK = 8192  # tokens one program of _leaders_kernel takes; longer forwards use torch ops
+
+
 def run_leaders(slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """The tokens that lead a run (as the kernels find them: a slot change or the start of an aligned block of
     _BLOCK_T tokens) in order, then -1: [num_seqs + cdiv(T, _BLOCK_T)] int32, on the device, without a host sync (a
@@ -65,6 +82,11 @@ def run_leaders(slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
     a graph's padding sequence included: pack_forward gives each one slot), which bounds the runs."""
     num_tokens = slots.shape[0]
     bound = num_seqs + triton.cdiv(num_tokens, _BLOCK_T)
+    if 0 < num_tokens and bound <= _LEADERS_BLOCK and num_tokens <= _LEADERS_BLOCK and slots.stride(0) == 1:
+        table = torch.empty(bound, dtype=torch.int32, device=slots.device)
+        block = triton.next_power_of_2(max(num_tokens, bound))
+        _leaders_kernel[(1,)](slots, table, num_tokens, bound, BLOCK=block, BLOCK_T=_BLOCK_T, num_warps=4)
+        return table
     index = torch.arange(num_tokens, device=slots.device, dtype=torch.int32)
     lead = index % _BLOCK_T == 0
     lead[1:] |= slots[1:] != slots[:-1]

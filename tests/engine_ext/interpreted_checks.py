@@ -278,6 +278,13 @@ def _leaders_tables(tlr):
     assert table == [0, 5, 15, 16, 20, 32, -1, -1], table  # 5 + 40 / 16 rows: 16 and 32 start blocks
     assert tlr.run_leaders(torch.tensor([4]), 1).tolist() == [0, -1]
     assert tlr.run_leaders(torch.arange(20), 20).tolist()[:21] == list(range(20)) + [-1]  # one token a sequence
+    g = torch.Generator().manual_seed(5)
+    for tokens in (1, 37, 300):  # the one-program kernel against the torch ops (a strided slot vector takes those)
+        slots = torch.randint(0, 4, (tokens,), generator=g).repeat_interleave(torch.randint(1, 9, (tokens,),
+                                                                                              generator=g))[:tokens]
+        seqs = 1 + int((slots[1:] != slots[:-1]).sum())
+        strided = torch.stack([slots, slots], 1)[:, 0]
+        assert tlr.run_leaders(slots, seqs).tolist() == tlr.run_leaders(strided, seqs).tolist()
 
 
 def engine():
