@@ -128,7 +128,7 @@ class LayerOps(Protocol):
     arguments of the element-wise kernels, DecoderLayer.fused_lora), "beside" (float32 deltas computed beside each
     product, DecoderLayer.beside_lora), "mixed" (attention's folded, the MLP's beside, DecoderLayer.mixed_lora) or
     "after" (the LoRA op after each product, DecoderLayer.plain); they also provide lora_delta, group_delta,
-    expand_delta, run_leaders and side_branch (kernels/triton_fused.TritonOps). The others are only ever passed None as `lora`
+    expand_delta and side_branch (kernels/triton_fused.TritonOps). The others are only ever passed None as `lora`
     and `extra` of the rotary and SiLU ops."""
 
     fuses_lora: bool
@@ -150,8 +150,6 @@ class LayerInputs:
     sin: torch.Tensor
     positions: torch.Tensor | None  # [T]: rows of the cos/sin tables (CausalLM.build_rope_table)
     lora: LoRABatch | None
-    # a multi-token forward's table of LoRA runs for the split kernels (LayerOps.run_leaders), or None
-    leaders: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -242,10 +240,10 @@ class DecoderLayer(nn.Module):
 
     def _attention_beside(self, ops, x, delta, extra, kv_cache, inp):
         """The attention half of beside_lora -> (x, o, o's extra)."""
-        i, lora, eps, branch, runs = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, _runs(inp)
+        i, lora, eps, branch, multi = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, inp.meta.multi
         x, h, _ = ops.add_rms_norm(x, delta, self.input_norm, eps, None, extra)
         with branch:
-            d_qkv = ops.group_delta(h, *lora.fused_group_args(i, "qkv"), **runs)
+            d_qkv = ops.group_delta(h, *lora.fused_group_args(i, "qkv"), multi=multi)
         qkv = self.linear(h, self.qkv, self.qkv_bias)
         branch.join()
         attn = self._attention(ops, qkv, kv_cache, inp, extra=d_qkv)
@@ -255,7 +253,7 @@ class DecoderLayer(nn.Module):
         """The o product with its LoRA delta computed beside it on the side stream (both attention halves) -> (o,
         its float32 extra), summed over the ranks."""
         with ops.side_branch:
-            extra = ops.lora_delta(attn, *inp.lora.group_args(self.index, "o"), **_runs(inp))
+            extra = ops.lora_delta(attn, *inp.lora.group_args(self.index, "o"), multi=inp.meta.multi)
         o = self.linear(attn, self.o)
         ops.side_branch.join()
         return self._reduce(o, extra)
@@ -267,22 +265,22 @@ class DecoderLayer(nn.Module):
         gate_up = self.linear(h, self.gate_up)
         act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
         with branch:
-            extra = ops.expand_delta(*lora.expand_args(i, "down", part), leaders=inp.leaders)
+            extra = ops.expand_delta(*lora.expand_args(i, "down", part), multi=inp.meta.multi)
         down = self.linear(act, self.down)
         branch.join()
         return x, *self._reduce(down, extra)
 
     def _mlp_beside(self, ops, x, o, extra, inp):
         """The MLP half of beside_lora -> (x, down, down's extra)."""
-        i, lora, eps, branch, runs = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, _runs(inp)
+        i, lora, eps, branch, multi = self.index, inp.lora, self.spec.rms_norm_eps, ops.side_branch, inp.meta.multi
         x, h, _ = ops.add_rms_norm(x, o, self.post_norm, eps, None, extra)
         with branch:
-            d_gate_up = ops.group_delta(h, *lora.fused_group_args(i, "gate_up"), **runs)
+            d_gate_up = ops.group_delta(h, *lora.fused_group_args(i, "gate_up"), multi=multi)
         gate_up = self.linear(h, self.gate_up)
         branch.join()
         act, _ = ops.silu_mul(gate_up, None, d_gate_up)
         with branch:
-            extra = ops.lora_delta(act, *lora.group_args(i, "down"), **runs)
+            extra = ops.lora_delta(act, *lora.group_args(i, "down"), multi=multi)
         down = self.linear(act, self.down)
         branch.join()
         return x, *self._reduce(down, extra)
@@ -295,11 +293,6 @@ class DecoderLayer(nn.Module):
         if extra is not None:
             y = (y.float() + extra).to(y.dtype)
         return self.comm.all_reduce(y), None
-
-
-def _runs(inp: LayerInputs) -> dict:
-    """The split LoRA kernels' keywords for a forward's token layout: several tokens a sequence, its runs table."""
-    return {"multi": inp.meta.multi, "leaders": inp.leaders}
 
 
 # A forward's LoRA path (CausalLM.lora_path) -> the layer method that runs it; "after" is DecoderLayer.plain
@@ -393,8 +386,6 @@ class CausalLM(nn.Module):
         delta = extra = None  # the last layer's output, not yet added to the residual stream x, and its LoRA delta
         path = self.lora_path(lora, input_ids.shape[0], meta.multi)
         if path != "after":
-            if meta.multi:  # one table of the runs for every layer's split kernels (a sequence's tokens, one slot)
-                inp.leaders = ops.run_leaders(lora.slots, meta.block_tables.shape[0])
             layer_lora = _LAYER_LORA[path]
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x, delta, extra = layer_lora(layer, ops, x, delta, extra, kv_cache, inp)

@@ -86,11 +86,11 @@ class KernelSettings:
     # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
     # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.
     multi_run_tokens: int = 4
-    # 1: multi-token forwards launch the split LoRA kernels (beside the products, and o's and down's beside theirs when
-    # folding) over a table of the runs' leaders made once a forward (triton_lora.run_leaders: at most sequences +
-    # tokens / 16 program rows: 42 for a verify pass at batch 32, k = 4) instead of a program row a token, where all
-    # but each run's leader exit at once (gate/up's expand at that pass: 5,120 programs, 4,096 of them empty).
-    # 0: a row a token. Off until measured (bench/gpu_run.sh step paths).
+    # 1: in those forwards each program row of the split LoRA kernels (beside the products, and o's and down's beside
+    # theirs when folding) takes multi_run_tokens tokens in turn, doing the work of those that lead a run, instead of
+    # a row a token where all but each run's leader return at once (gate/up's expand in a verify pass at batch 32,
+    # k = 4: 5,120 programs, 4,096 of them empty; with it 1,280). 0: a row a token. Off until measured
+    # (bench/gpu_run.sh step paths).
     lora_run_grid: int = 0
     # ---- programmatic dependent launch (pdl.py): the fused kernels and attention launch with it in forwards of up to
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel

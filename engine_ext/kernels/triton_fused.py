@@ -36,7 +36,7 @@ from .pdl import wait_then_release as _wait_then_release
 from .rounding import rnd as _rnd
 from .settings import KernelSettings
 from .triton_fp8 import BYTES_BOUND_M, linear_triton
-from .triton_lora import expand_delta, group_delta, lora_delta, run_leaders, slot_rank
+from .triton_lora import expand_delta, group_delta, lora_delta, slot_rank
 from .triton_lora import masks_ranks as _masks
 
 _DEFAULTS = KernelSettings()
@@ -453,24 +453,19 @@ class TritonOps:
     def silu_mul(self, gate_up, lora=None, extra=None):
         return silu_mul(gate_up, lora, extra, settings=self.settings)
 
-    def _run_tokens(self, multi: bool) -> int:
-        return self.settings.multi_run_tokens if multi else 1
+    def _runs(self, multi: bool) -> dict:
+        """The split kernels' run keywords: tokens a run is taken to hold (K splits) and, with lora_run_grid, tokens a
+        program row takes, for forwards with several tokens of a sequence (`multi`)."""
+        run_tokens = self.settings.multi_run_tokens if multi else 1
+        return {"run_tokens": run_tokens, "group": run_tokens if self.settings.lora_run_grid else 1}
 
-    def run_leaders(self, slots: torch.Tensor, num_seqs: int) -> torch.Tensor | None:
-        """A multi-token forward's table of LoRA runs (triton_lora.run_leaders), made once for all its layers'
-        split kernels, with settings.lora_run_grid; else None (the kernels launch a program row a token)."""
-        return run_leaders(slots, num_seqs) if self.settings.lora_run_grid else None
+    def lora_delta(self, x, a, b, scale, slots, ranks=None, multi=False):
+        """One module's delta ([T, out] float32); `multi`: the forward has several tokens of a sequence."""
+        return lora_delta(x, a, b, scale, slots, ranks, settings=self.settings, **self._runs(multi))
 
-    def lora_delta(self, x, a, b, scale, slots, ranks=None, multi=False, leaders=None):
-        """One module's delta ([T, out] float32); `multi`: the forward has several tokens of a sequence; `leaders`:
-        its run_leaders table, if any."""
-        return lora_delta(x, a, b, scale, slots, ranks, run_tokens=self._run_tokens(multi), settings=self.settings,
-                          leaders=leaders)
-
-    def group_delta(self, x, a, b, scale, slots, segments, ranks=None, multi=False, leaders=None):
+    def group_delta(self, x, a, b, scale, slots, segments, ranks=None, multi=False):
         """A fused group's deltas ([T, out_total] float32)."""
-        return group_delta(x, a, b, scale, slots, segments, ranks, run_tokens=self._run_tokens(multi),
-                           settings=self.settings, leaders=leaders)
+        return group_delta(x, a, b, scale, slots, segments, ranks, settings=self.settings, **self._runs(multi))
 
-    def expand_delta(self, part, b, scale, slots, ranks=None, leaders=None):
-        return expand_delta(part, b, scale, slots, ranks, settings=self.settings, leaders=leaders)
+    def expand_delta(self, part, b, scale, slots, ranks=None, multi=False):
+        return expand_delta(part, b, scale, slots, ranks, settings=self.settings, group=self._runs(multi)["group"])

@@ -248,12 +248,8 @@ def lora():
         _close(delta + y0, ref)
         for run_tokens in (3, 64):  # K splits sized by runs of a verify pass's tokens: the same delta
             _close(tlr.lora_delta(x, a, b, sc, idx, run_tokens=run_tokens) + y0, ref)
-        # a program row a run (the leaders table, bounded by the stretches of one slot), and a table with spare rows
-        stretches = 1 + int((idx[1:] != idx[:-1]).sum())
-        for num_seqs in (stretches, stretches + 7):
-            leaders = tlr.run_leaders(idx, num_seqs)
-            _close(tlr.lora_delta(x, a, b, sc, idx, leaders=leaders) + y0, ref)
-    _leaders_tables(tlr)
+        for group in (2, 5, 16, 64):  # a program row taking that many tokens in turn (more than T included)
+            _close(tlr.lora_delta(x, a, b, sc, idx, run_tokens=group, group=group) + y0, ref)
     # a fused group's deltas, with 16-aligned module starts (one launch each) and without (one per module)
     for segs, fout in (((0, 32, 48), 64), ((0, 40), 72)):
         t, fin, r, S = 12, 96, 8, 3
@@ -266,25 +262,9 @@ def lora():
         delta = tlr.group_delta(x, a, b, sc, idx, segs, run_tokens=4)
         assert torch.all(delta[idx == S - 1] == 0)
         _close(delta, ref)
-        delta = tlr.group_delta(x, a, b, sc, idx, segs, leaders=tlr.run_leaders(idx, 5))
+        delta = tlr.group_delta(x, a, b, sc, idx, segs, run_tokens=4, group=3)
         assert torch.all(delta[idx == S - 1] == 0)
         _close(delta, ref)
-
-
-def _leaders_tables(tlr):
-    """run_leaders: each run's first token in order (a slot change or a 16-token block start), -1 after them."""
-    slots = torch.tensor([3] * 5 + [1] * 5 + [1] * 5 + [7] * 5 + [2] * 20)  # 5 sequences, two of them on one slot
-    table = tlr.run_leaders(slots, 5).tolist()
-    assert table == [0, 5, 15, 16, 20, 32, -1, -1], table  # 5 + 40 / 16 rows: 16 and 32 start blocks
-    assert tlr.run_leaders(torch.tensor([4]), 1).tolist() == [0, -1]
-    assert tlr.run_leaders(torch.arange(20), 20).tolist()[:21] == list(range(20)) + [-1]  # one token a sequence
-    g = torch.Generator().manual_seed(5)
-    for tokens in (1, 37, 300):  # the one-program kernel against the torch ops (a strided slot vector takes those)
-        slots = torch.randint(0, 4, (tokens,), generator=g).repeat_interleave(torch.randint(1, 9, (tokens,),
-                                                                                              generator=g))[:tokens]
-        seqs = 1 + int((slots[1:] != slots[:-1]).sum())
-        strided = torch.stack([slots, slots], 1)[:, 0]
-        assert tlr.run_leaders(slots, seqs).tolist() == tlr.run_leaders(strided, seqs).tolist()
 
 
 def engine():
@@ -357,15 +337,10 @@ def engine():
     assert run(speculative=spec, kernels={"fold_multi_token_columns": 1}, **kernels) == ref
     assert besides
     besides.clear()
-    # ...the split kernels a program row a run (a table of the runs' leaders), beside the products and folding
-    leader_tables = []
-    run_leaders = TritonOps.run_leaders
-    TritonOps.run_leaders = lambda self, *a: leader_tables.append(run_leaders(self, *a)) or leader_tables[-1]
+    # ...a program row of the split kernels taking several tokens in turn, beside the products and folding
     for fold_columns in (1, 1 << 30):
         assert run(speculative=spec, kernels={"fold_multi_token_columns": fold_columns, "lora_run_grid": 1},
                    **kernels) == ref
-    TritonOps.run_leaders = run_leaders
-    assert leader_tables and all(t is not None and int((t >= 0).sum()) >= 1 for t in leader_tables)
     besides.clear()
     assert run(kernels={"fold_decode_tokens": 0, "beside_lora_tokens": 4096}, **kernels) == ref
     assert besides and not any(besides)  # decode steps (and prompts) beside the products

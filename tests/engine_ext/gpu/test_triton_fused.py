@@ -327,12 +327,12 @@ def test_lora_folding_under_other_launch_settings(setting, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,rank,run_tokens,run_grid", [
-    (160, 16, 4, 0), (160, 64, 4, 0), (40, 16, 1, 0), (37, 16, 4, 0), (160, 16, 4, 1), (37, 64, 4, 1)])
+    (160, 16, 4, 0), (160, 64, 4, 0), (40, 16, 1, 0), (37, 16, 4, 0), (160, 16, 4, 1), (37, 64, 3, 1)])
 def test_lora_deltas_beside_the_products_added_by_rope_and_silu(dtype, tokens, rank, run_tokens, run_grid):
     """DecoderLayer.beside_lora's kernels: the q/k/v and gate/up deltas (group_delta, float32, on a side branch,
     in and out of a CUDA graph) added by the rotary and SiLU kernels give the reference composition; K splits
-    sized for runs of any length (a verify pass's 5 tokens, runs of 1) change nothing but the split count, nor does
-    a program row a run (`lora_run_grid`: the leaders table made inside the graph)."""
+    sized for runs of any length (a verify pass's 5 tokens, runs of 1) change nothing but the split count, nor do
+    program rows taking several tokens in turn (`lora_run_grid`)."""
     from engine_ext.kernels import KernelSettings
     from engine_ext.kernels.triton_fused import TritonOps
 
@@ -366,11 +366,9 @@ def test_lora_deltas_beside_the_products_added_by_rope_and_silu(dtype, tokens, r
     ref_act = TorchOps.silu_mul(ref_group(gate_up, a_gu, b_gu, sc_gu, (0, inter)))[0]
 
     def forward():
-        leaders = ops.run_leaders(slots, -(-tokens // 5))  # None without lora_run_grid
-        assert (leaders is None) == (not run_grid)
         with ops.side_branch:
-            d_qkv = ops.group_delta(h, a_qkv, b_qkv, sc_qkv, slots, (0, qs, qs + kvs), multi=True, leaders=leaders)
-            d_gu = ops.group_delta(h, a_gu, b_gu, sc_gu, slots, (0, inter), multi=True, leaders=leaders)
+            d_qkv = ops.group_delta(h, a_qkv, b_qkv, sc_qkv, slots, (0, qs, qs + kvs), multi=True)
+            d_gu = ops.group_delta(h, a_gu, b_gu, sc_gu, slots, (0, inter), multi=True)
         base = qkv * 1  # the main stream's product meanwhile
         ops.side_branch.join()
         q = ops.rope_write_kv(base, cos, sin, caches[2], caches[3], kv_slots, heads, kv_heads, extra=d_qkv)
