@@ -201,6 +201,7 @@ for step in $STEPS; do
           echo "paths $shape $name rc $?: $(grep 'batch 32 verify k=4' "$OUT/paths-${shape#llama-}-$name.log" | tr '\n' ' ')"
           pack
         done
+        [ "${PATHS_PROFILE:-1}" = 0 ] && continue  # PATHS_PROFILE=0: the variants only
         timeout 120 python3 bench/profile_step.py --shape $shape --batch 32 --adapters 0 32 --rank 16 --tokens 1 5 \
           --out "$OUT/profile-${shape#llama-}.json" 2>&1 | quiet | tail -1
       done ;;
