@@ -193,7 +193,7 @@ for step in $STEPS; do
       # about 4 minutes at 1B, 7 at 8B: one shape a call), verify k=1..4 at batch 8 and 32
       # with the base model's floor; then where a batch-32 verify pass's GPU time goes, by kernel, on the defaults
       for shape in ${PATHS_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
-        for variant in ${PATHS_VARIANTS:-defaults='{}' fold='{"fold_multi_token_columns":1000000000,"fold_multi_layer_columns":0,"beside_multi_token_ranks":0}' beside='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":65536}' after='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":0}' mixed='{"mixed_multi_tokens":256}' rungrid='{"lora_run_grid":1}' triton_linear='{"triton_linear_tokens":65}'}; do
+        for variant in ${PATHS_VARIANTS:-defaults='{}' fold='{"fold_multi_token_columns":1000000000,"fold_multi_layer_columns":0,"beside_multi_token_ranks":0}' beside='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":65536}' after='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":0}' mixed='{"mixed_multi_tokens":256}' triton_linear='{"triton_linear_tokens":65}'}; do
           name=${variant%%=*}
           timeout ${PATHS_TIMEOUT:-150} python3 bench/decode.py --shapes $shape --ranks ${PATHS_RANKS:-16} --batches 8 32 \
             --adapters 0 8 32 --sections forward --iters 10 --kernel-settings "${variant#*=}" \

@@ -265,7 +265,7 @@ class DecoderLayer(nn.Module):
         gate_up = self.linear(h, self.gate_up)
         act, part = ops.silu_mul(gate_up, lora.silu_args(i, part))
         with branch:
-            extra = ops.expand_delta(*lora.expand_args(i, "down", part), multi=inp.meta.multi)
+            extra = ops.expand_delta(*lora.expand_args(i, "down", part))
         down = self.linear(act, self.down)
         branch.join()
         return x, *self._reduce(down, extra)

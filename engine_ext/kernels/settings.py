@@ -86,12 +86,6 @@ class KernelSettings:
     # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
     # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.
     multi_run_tokens: int = 4
-    # 1: in those forwards each program row of the split LoRA kernels (beside the products, and o's and down's beside
-    # theirs when folding) takes multi_run_tokens tokens in turn, doing the work of those that lead a run, instead of
-    # a row a token where all but each run's leader return at once (gate/up's expand in a verify pass at batch 32,
-    # k = 4: 5,120 programs, 4,096 of them empty; with it 1,280). 0: a row a token. Off until measured
-    # (bench/gpu_run.sh step paths).
-    lora_run_grid: int = 0
     # ---- programmatic dependent launch (pdl.py): the fused kernels and attention launch with it in forwards of up to
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel
     # before it shortens the forward); 0: never
@@ -107,9 +101,10 @@ class KernelSettings:
     expand_block_n: int = 0  # the expand's column tile; 0: from the rank
     # ---- the dense (bf16) products of the Triton layer ops (TritonOps.linear): from this many tokens up to 256 they
     # take triton_fp8's split-K GEMM over the weights as they are (launched with the fp8_* settings below) instead of
-    # cuBLAS; 0: never. cuBLAS's bf16 products at 160 tokens (a verify pass at batch 32, k = 4) ran well off their
-    # bytes on an H100 (1B down 1.8x, 8B o 1.8x their time at 32 tokens; bench/RESULTS.md section 15's GEMM rows):
-    # off until a verify pass measures faster with it (bench/gpu_run.sh steps vgemm and paths).
+    # cuBLAS; 0: never. cuBLAS's bf16 products at 160 tokens (a verify pass at batch 32, k = 4) run off their bytes on
+    # an H100 (1B down 1.8x, 8B o 2.0x their time at 32 tokens), but this GEMM took 1.1-3.1x cuBLAS's time at every
+    # product from 32 to 256 tokens, and cuBLASLt, the transposed problem and two half products no better
+    # (bench/verify_gemm.py, bench/RESULTS.md section 1): off.
     triton_linear_tokens: int = 0
     # ---- the FP8 weights' W8A16 GEMM (triton_fp8.py), decode-sized products (up to 256 tokens): K columns per inner
     # step, column tile, pipeline stages (K tiles in flight per program) and warps; K is split between programs while
@@ -152,9 +147,8 @@ class KernelSettings:
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
-        for name in ("rank_masks", "lora_run_grid"):
-            if getattr(self, name) not in (0, 1):
-                raise ValueError(f"KernelSettings.{name} must be 0 or 1, got {getattr(self, name)}")
+        if self.rank_masks not in (0, 1):
+            raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         # token and size bounds where 0 switches the thing off
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
                      "fold_multi_layer_columns",

@@ -453,19 +453,17 @@ class TritonOps:
     def silu_mul(self, gate_up, lora=None, extra=None):
         return silu_mul(gate_up, lora, extra, settings=self.settings)
 
-    def _runs(self, multi: bool) -> dict:
-        """The split kernels' run keywords: tokens a run is taken to hold (K splits) and, with lora_run_grid, tokens a
-        program row takes, for forwards with several tokens of a sequence (`multi`)."""
-        run_tokens = self.settings.multi_run_tokens if multi else 1
-        return {"run_tokens": run_tokens, "group": run_tokens if self.settings.lora_run_grid else 1}
+    def _run_tokens(self, multi: bool) -> int:
+        return self.settings.multi_run_tokens if multi else 1
 
     def lora_delta(self, x, a, b, scale, slots, ranks=None, multi=False):
         """One module's delta ([T, out] float32); `multi`: the forward has several tokens of a sequence."""
-        return lora_delta(x, a, b, scale, slots, ranks, settings=self.settings, **self._runs(multi))
+        return lora_delta(x, a, b, scale, slots, ranks, run_tokens=self._run_tokens(multi), settings=self.settings)
 
     def group_delta(self, x, a, b, scale, slots, segments, ranks=None, multi=False):
         """A fused group's deltas ([T, out_total] float32)."""
-        return group_delta(x, a, b, scale, slots, segments, ranks, settings=self.settings, **self._runs(multi))
+        return group_delta(x, a, b, scale, slots, segments, ranks, run_tokens=self._run_tokens(multi),
+                           settings=self.settings)
 
-    def expand_delta(self, part, b, scale, slots, ranks=None, multi=False):
-        return expand_delta(part, b, scale, slots, ranks, settings=self.settings, group=self._runs(multi)["group"])
+    def expand_delta(self, part, b, scale, slots, ranks=None):
+        return expand_delta(part, b, scale, slots, ranks, settings=self.settings)

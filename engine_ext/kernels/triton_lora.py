@@ -6,14 +6,13 @@ Runs are found on the device: a token leads a run when its slot differs from the
 token's (or it starts an aligned block of 16); the leader's program multiplies the run's rows as
 one tensor-core tile, so the k+1 tokens of a verify pass (and neighbours sharing an adapter) read
 each A/B tile once. Nothing about the adapter mix reaches the host, so a CUDA graph captured once
-serves any mix (the slot vector is a graph input); grids are sized by tokens, a program row taking
-`group` of them in turn (1, or in forwards of runs longer than a token a run's expected length, so that fewer
-programs find no leader and return at once). Ranks below the slot stack's R are zero-padded (exact). Tokens on
+serves any mix (the slot vector is a graph input); grids are sized by tokens, and programs of
+non-leaders return at once. Ranks below the slot stack's R are zero-padded (exact). Tokens on
 the zero slot (base-only) skip all work.
 
-shrink: grid (cdiv(T, group), splits); the leader of run r at split s sums x[r, k] @ A[slot, k, :] over its K
+shrink: grid (T, splits); the leader of run r at split s sums x[r, k] @ A[slot, k, :] over its K
         range into part[s, r, :] (fp32). Splitting K keeps the chip busy at small batches without atomics.
-expand: grid (cdiv(T, group), cdiv(out, BLOCK_N)); the leader sums the K partials, scales, multiplies by its B
+expand: grid (T, cdiv(out, BLOCK_N)); the leader sums the K partials, scales, multiplies by its B
         tile and adds into y (any row stride: y may be a column slice of a fused output), or (`lora_delta`)
         stores the fp32 delta itself into a buffer of its own, zero on the zero slot, for a consumer that
         adds it (the fused model adds o's and down's in the next norm kernel, so these launches run on a
@@ -67,21 +66,9 @@ def slot_rank(ranks_ptr, stride_rk, slot, R, RANKS: tl.constexpr):
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, ranks_ptr, T, K, R, R_SEG, k_per_split, skip_slot,
                    stride_xt, stride_as, stride_ak, stride_ps, stride_pt, stride_rk,
                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                   RANKS: tl.constexpr, GROUP: tl.constexpr):
+                   RANKS: tl.constexpr):
+    t = tl.program_id(0)
     split = tl.program_id(1)
-    for j in range(GROUP):  # the row's tokens in turn; each that leads a run does the run's work
-        t = tl.program_id(0) * GROUP + j
-        if t < T:
-            _shrink_run(x_ptr, a_ptr, slots_ptr, part_ptr, ranks_ptr, t, split, T, K, R, R_SEG, k_per_split,
-                        skip_slot, stride_xt, stride_as, stride_ak, stride_ps, stride_pt, stride_rk,
-                        BLOCK_T, BLOCK_K, BLOCK_R, IEEE, RANKS)
-
-
-@triton.jit
-def _shrink_run(x_ptr, a_ptr, slots_ptr, part_ptr, ranks_ptr, t, split, T, K, R, R_SEG, k_per_split, skip_slot,
-                stride_xt, stride_as, stride_ak, stride_ps, stride_pt, stride_rk,
-                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                RANKS: tl.constexpr):
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
     if leader & (slot != skip_slot):
         offs_r = tl.arange(0, BLOCK_R)
@@ -116,21 +103,9 @@ def _segment(nb, BLOCK_N: tl.constexpr, SEG1, SEG2):
 def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, ranks_ptr, T, N, R, num_splits, skip_slot, SEG1,
                    SEG2, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt, stride_rk,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, STORE: tl.constexpr, RANKS: tl.constexpr, GROUP: tl.constexpr):
+                   SPLITS: tl.constexpr, STORE: tl.constexpr, RANKS: tl.constexpr):
+    t = tl.program_id(0)
     nb = tl.program_id(1)
-    for j in range(GROUP):  # as _shrink_kernel's
-        t = tl.program_id(0) * GROUP + j
-        if t < T:
-            _expand_run(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, ranks_ptr, t, nb, T, N, R, num_splits,
-                        skip_slot, SEG1, SEG2, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt,
-                        stride_rk, BLOCK_T, BLOCK_N, BLOCK_R, IEEE, SPLITS, STORE, RANKS)
-
-
-@triton.jit
-def _expand_run(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, ranks_ptr, t, nb, T, N, R, num_splits, skip_slot, SEG1,
-                SEG2, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt, stride_rk,
-                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                SPLITS: tl.constexpr, STORE: tl.constexpr, RANKS: tl.constexpr):
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
     if leader & ((slot != skip_slot) | STORE):  # STORE: zero-slot runs store zeros (their partials are unset)
         seg = _segment(nb, BLOCK_N, SEG1, SEG2)
@@ -169,12 +144,11 @@ def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int,
                 ranks: torch.Tensor | None = None, segment: int | None = None, *, run_tokens: int = 1,
-                settings: KernelSettings = _DEFAULTS, group: int = 1) -> torch.Tensor:
+                settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """part[s, t, :] summed over s = x[t] @ A[slot[t]]   -> [splits, T, R] float32 (rows of skipped tokens undefined).
     `ranks` ([S] int32, AdapterSlots.group_rank): only each module's first ranks[slot] of its `segment` columns
     (default: all of A's) are read, the rest being zero padding. `run_tokens`: the tokens a run of one slot is taken
-    to hold (a verify pass's k + 1), so the K splits keep about _TARGET_PROGRAMS leaders busy. `group`: tokens a
-    program row takes in turn."""
+    to hold (a verify pass's k + 1), so the K splits keep about _TARGET_PROGRAMS leaders busy."""
     num_tokens, fan_in = x.shape
     rank = a.shape[2]
     block_r, block_k = _tile(rank)
@@ -186,12 +160,12 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot
     splits = triton.cdiv(fan_in, k_per_split)
     part = torch.empty(splits, num_tokens, rank, dtype=torch.float32, device=x.device)
     if num_tokens:
-        _shrink_kernel[(triton.cdiv(num_tokens, group), splits)](
+        _shrink_kernel[(num_tokens, splits)](
             x, a, slots, part, ranks if ranks is not None else slots, num_tokens, fan_in, rank, segment or rank,
             k_per_split, skip_slot, x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
             ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
-            RANKS=masks_ranks(ranks, settings), GROUP=group, num_warps=settings.shrink_warps)
+            RANKS=masks_ranks(ranks, settings), num_warps=settings.shrink_warps)
     return part
 
 
@@ -206,61 +180,58 @@ def _segment_args(segments: tuple[int, ...], fan_out: int, block_n: int) -> tupl
 
 def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
                 skip_slot: int, segments: tuple[int, ...] = (0,), store: bool = False,
-                ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS, group: int = 1) -> None:
+                ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> None:
     """y[t, seg cols] += sum_s part[s, t, seg*R:(seg+1)*R] @ B[slot[t], :, seg cols] * scale[slot[t], seg]
     (in place; y may be a column slice). `scale` is [S] for one module or [S, nseg] for a fused group.
     store: y (float32) = the delta itself, zero on skip_slot's rows. `ranks` ([S] int32): only the first
-    ranks[slot] rows of B are read (the rest is zero padding). `group` as lora_shrink's."""
+    ranks[slot] rows of B are read (the rest is zero padding)."""
     num_tokens, fan_out = y.shape
     rank = b.shape[1]
     block_r, block_n = _tile(rank)
     block_n = min(settings.expand_block_n or block_n, block_n)
     seg1, seg2, block_n = _segment_args(segments, fan_out, min(block_n, triton.next_power_of_2(fan_out)))
     if num_tokens:
-        _expand_kernel[(triton.cdiv(num_tokens, group), triton.cdiv(fan_out, block_n))](
+        _expand_kernel[(num_tokens, triton.cdiv(fan_out, block_n))](
             part, b, scale, slots, y, ranks if ranks is not None else slots, num_tokens, fan_out, rank, part.shape[0],
             skip_slot, seg1, seg2, part.stride(0), part.stride(1), b.stride(0), b.stride(1), scale.stride(0),
             y.stride(0), ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
             SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, RANKS=masks_ranks(ranks, settings),
-            GROUP=group, num_warps=settings.expand_warps)
+            num_warps=settings.expand_warps)
 
 
 def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                 ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS, group: int = 1
-                 ) -> torch.Tensor:
+                 ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """sum_s part[s, t] @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32, zero for tokens on the zero slot
-    (S - 1). `scale` [S] or [S, 1]; `ranks` and `group` as lora_expand's."""
+    (S - 1). `scale` [S] or [S, 1]; `ranks` as lora_expand's."""
     out = torch.empty(part.shape[1], b.shape[2], dtype=torch.float32, device=b.device)
-    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True, ranks=ranks, settings=settings, group=group)
+    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True, ranks=ranks, settings=settings)
     return out
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
                ranks: torch.Tensor | None = None, *, run_tokens: int = 1,
-               settings: KernelSettings = _DEFAULTS, group: int = 1) -> torch.Tensor:
+               settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """(x[t] @ A[slot[t]]) @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32 (the rank-space product rounded
     to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it. `ranks`
-    ([S] int32): each slot's rank, past which A and B are zero padding and not read; `run_tokens` and `group` as
-    lora_shrink's."""
+    ([S] int32): each slot's rank, past which A and B are zero padding and not read; `run_tokens` as lora_shrink's."""
     _check(x, x, a, b)
-    part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, run_tokens=run_tokens, settings=settings, group=group)
-    return expand_delta(part, b, scale, slots, ranks, settings=settings, group=group)
+    part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, run_tokens=run_tokens, settings=settings)
+    return expand_delta(part, b, scale, slots, ranks, settings=settings)
 
 
 def group_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
                 segments: tuple[int, ...], ranks: torch.Tensor | None = None, *, run_tokens: int = 1,
-                settings: KernelSettings = _DEFAULTS, group: int = 1) -> torch.Tensor:
+                settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """lora_delta for every module of a fused group (add_lora_group_triton's arguments): [T, out_total] float32,
     module seg's delta in its columns, zero on the zero slot."""
     _check(x, x, a, b)
     out = torch.empty(x.shape[0], b.shape[2], dtype=torch.float32, device=b.device)
-    _group(out, x, a, b, scale, slots, segments, ranks, True, run_tokens, settings, group)
+    _group(out, x, a, b, scale, slots, segments, ranks, True, run_tokens, settings)
     return out
 
 
-def _group(y, x, a, b, scale, slots, segments, ranks, store: bool, run_tokens: int, settings: KernelSettings,
-           group: int = 1) -> None:
+def _group(y, x, a, b, scale, slots, segments, ranks, store: bool, run_tokens: int, settings: KernelSettings) -> None:
     """A fused group's shrink and expand into y (added, or with `store` stored): one launch each, or one each per
     module where no >= 16-column tile fits between module starts."""
     skip_slot, rank = a.shape[0] - 1, b.shape[1]
@@ -268,13 +239,12 @@ def _group(y, x, a, b, scale, slots, segments, ranks, store: bool, run_tokens: i
         ends = list(segments[1:]) + [y.shape[1]]
         for seg, (start, end) in enumerate(zip(segments, ends)):
             part = lora_shrink(x, a[:, :, seg * rank : (seg + 1) * rank], slots, skip_slot, ranks,
-                               run_tokens=run_tokens, settings=settings, group=group)
+                               run_tokens=run_tokens, settings=settings)
             lora_expand(y[:, start:end], part, b[:, :, start:end], scale[:, seg], slots, skip_slot, store=store,
-                        ranks=ranks, settings=settings, group=group)
+                        ranks=ranks, settings=settings)
         return
-    part = lora_shrink(x, a, slots, skip_slot, ranks, rank, run_tokens=run_tokens, settings=settings, group=group)
-    lora_expand(y, part, b, scale, slots, skip_slot, segments, store=store, ranks=ranks, settings=settings,
-                group=group)
+    part = lora_shrink(x, a, slots, skip_slot, ranks, rank, run_tokens=run_tokens, settings=settings)
+    lora_expand(y, part, b, scale, slots, skip_slot, segments, store=store, ranks=ranks, settings=settings)
 
 
 def _check(y, x, a, b) -> None:

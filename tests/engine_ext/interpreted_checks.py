@@ -248,8 +248,6 @@ def lora():
         _close(delta + y0, ref)
         for run_tokens in (3, 64):  # K splits sized by runs of a verify pass's tokens: the same delta
             _close(tlr.lora_delta(x, a, b, sc, idx, run_tokens=run_tokens) + y0, ref)
-        for group in (2, 5, 16, 64):  # a program row taking that many tokens in turn (more than T included)
-            _close(tlr.lora_delta(x, a, b, sc, idx, run_tokens=group, group=group) + y0, ref)
     # a fused group's deltas, with 16-aligned module starts (one launch each) and without (one per module)
     for segs, fout in (((0, 32, 48), 64), ((0, 40), 72)):
         t, fin, r, S = 12, 96, 8, 3
@@ -260,9 +258,6 @@ def lora():
         ref, out = torch.zeros(t, fout), torch.zeros(t, fout)
         tlr.add_lora_group_triton(ref, x, a, b, sc, idx, segs)
         delta = tlr.group_delta(x, a, b, sc, idx, segs, run_tokens=4)
-        assert torch.all(delta[idx == S - 1] == 0)
-        _close(delta, ref)
-        delta = tlr.group_delta(x, a, b, sc, idx, segs, run_tokens=4, group=3)
         assert torch.all(delta[idx == S - 1] == 0)
         _close(delta, ref)
 
@@ -336,11 +331,6 @@ def engine():
     besides.clear()
     assert run(speculative=spec, kernels={"fold_multi_token_columns": 1}, **kernels) == ref
     assert besides
-    besides.clear()
-    # ...a program row of the split kernels taking several tokens in turn, beside the products and folding
-    for fold_columns in (1, 1 << 30):
-        assert run(speculative=spec, kernels={"fold_multi_token_columns": fold_columns, "lora_run_grid": 1},
-                   **kernels) == ref
     besides.clear()
     assert run(kernels={"fold_decode_tokens": 0, "beside_lora_tokens": 4096}, **kernels) == ref
     assert besides and not any(besides)  # decode steps (and prompts) beside the products
