@@ -63,11 +63,14 @@ class KernelSettings:
     # 0: every such forward takes another path.
     fold_multi_token_ranks: int = 4096
     fold_multi_token_columns: int = 3_000_000
-    # ... and only on layers of at most this many LoRA output columns: a wide layer's products are long enough to hide
-    # the split kernels beside them at every verify size measured (8B, 43,008 columns, batch 8, k = 1..4: 6.924 /
-    # 7.280 / 7.294 / 7.687 ms beside against 7.022 / 7.336 / 7.435 / 8.073 folded; batch 32 from k = 2), where the 1B's
-    # (23,552) fold up to 96 tokens. 0: no bound.
+    # ... and, for slots of rank at most fold_multi_layer_max_rank, only on layers of at most fold_multi_layer_columns
+    # LoRA output columns: a wide layer's products are long enough to hide the split kernels beside them at every
+    # verify size measured at rank 16 (8B, 43,008 columns, batch 8, k = 1..4: 6.924 / 7.280 / 7.294 / 7.687 ms beside
+    # against 7.022 / 7.336 / 7.435 / 8.073 folded; batch 32 from k = 2), where the 1B's (23,552) fold up to 96
+    # tokens. Higher ranks fold on any layer: at rank 64 beside the products lost to folding (1B, 64 tokens: 4.87
+    # against 3.62 ms), unmeasured at 8B. 0: no bound.
     fold_multi_layer_columns: int = 32768
+    fold_multi_layer_max_rank: int = 16
     # ---- LoRA beside the products (model.DecoderLayer.beside_lora): every group's delta computed with the split
     # LoRA kernels on the side stream while the group's base product runs (the rotary, SiLU and norm kernels add the
     # float32 deltas), instead of after each product on the main stream. Forwards with several tokens of a sequence
@@ -151,8 +154,7 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         # token and size bounds where 0 switches the thing off
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
-                     "fold_multi_layer_columns",
-                     "beside_lora_tokens", "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens",
+                     "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens", "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens",
                      "fp8_swap_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
@@ -173,8 +175,8 @@ class KernelSettings:
 
         - "fold": into the element-wise kernels: forwards of one token per sequence up to fold_decode_tokens (decode,
           one wave of programs), `multi` forwards while num_tokens x rank is at most fold_multi_token_ranks and
-          num_tokens x columns at most fold_multi_token_columns, on layers of at most fold_multi_layer_columns
-          columns (0: any);
+          num_tokens x columns at most fold_multi_token_columns, at ranks up to fold_multi_layer_max_rank only on
+          layers of at most fold_multi_layer_columns columns (0: any);
         - "beside": the others while num_tokens x rank is at most beside_multi_token_ranks (`multi`) or num_tokens
           at most beside_lora_tokens (one token a sequence), each group's delta computed beside its product;
           `multi` ones of at most mixed_multi_tokens tokens (and tokens x rank within fold_multi_token_ranks)
@@ -182,8 +184,8 @@ class KernelSettings:
         - "after": the rest, the split LoRA kernels after each product."""
         if multi:
             folds_rank = num_tokens * rank <= self.fold_multi_token_ranks
-            narrow = not self.fold_multi_layer_columns or columns <= self.fold_multi_layer_columns
-            if folds_rank and narrow and num_tokens * columns <= self.fold_multi_token_columns:
+            wide = 0 < self.fold_multi_layer_columns < columns and rank <= self.fold_multi_layer_max_rank
+            if folds_rank and not wide and num_tokens * columns <= self.fold_multi_token_columns:
                 return "fold"
             if num_tokens * rank > self.beside_multi_token_ranks:
                 return "after"

@@ -84,13 +84,15 @@ def test_the_default_paths_at_the_measured_shapes():
     """KernelSettings' defaults at the Llama-3.2-1B (23,552 LoRA columns a layer) and 3.1-8B (43,008) shapes, batch 32
     with k = 1..4 drafts (bench/RESULTS.md section 1): rank 16 folds up to 96 tokens at 1B, beside the products past
     them, and goes beside them at every size at 8B (a layer wider than fold_multi_layer_columns); rank 64 folds 64
-    tokens, the kernels after the products past them; decode folds to 32 at both."""
+    tokens at both (past fold_multi_layer_max_rank), the kernels after the products past them; decode folds to 32."""
     s = KernelSettings()
     assert [s.lora_path(32 * (k + 1), True, 16, 23552) for k in range(1, 5)] == ["fold", "fold", "beside", "beside"]
     assert [s.lora_path(32 * (k + 1), True, 16, 43008) for k in range(1, 5)] == ["beside"] * 4
     assert [s.lora_path(8 * (k + 1), True, 16, 43008) for k in range(1, 5)] == ["beside"] * 4
     assert [s.lora_path(8 * (k + 1), True, 16, 23552) for k in range(1, 5)] == ["fold"] * 4
     assert [s.lora_path(32 * (k + 1), True, 64, 23552) for k in range(1, 5)] == ["fold", "after", "after", "after"]
+    assert [s.lora_path(32 * (k + 1), True, 64, 43008) for k in range(1, 5)] == ["fold", "after", "after", "after"]
+    assert [s.lora_path(8 * (k + 1), True, 64, 43008) for k in range(1, 5)] == ["fold"] * 4
     assert s.lora_path(32, False, 16, 43008) == "fold" and s.lora_path(33, False, 16, 43008) == "after"
 
 
@@ -111,5 +113,7 @@ def test_zero_bounds_keep_unfolded_forwards_after_the_products():
     assert KernelSettings(fold_multi_token_ranks=0).lora_path(5, True, 16, 100) == "beside"
     assert KernelSettings(fold_multi_token_columns=0).lora_path(5, True, 16, 100) == "beside"
     assert KernelSettings(fold_multi_layer_columns=99).lora_path(5, True, 16, 100) == "beside"
+    assert KernelSettings(fold_multi_layer_columns=99).lora_path(5, True, 17, 100) == "fold"  # past the layer bound's rank
+    assert KernelSettings(fold_multi_layer_columns=99, fold_multi_layer_max_rank=0).lora_path(5, True, 1, 100) == "fold"
     assert KernelSettings(fold_multi_layer_columns=0).lora_path(5, True, 16, 50000) == "fold"  # no layer bound
     assert KernelSettings(fold_decode_tokens=0, beside_lora_tokens=5).lora_path(5, False, 16, 100) == "beside"

@@ -41,6 +41,7 @@ def test_from_dict_sets_the_named_fields_and_keeps_the_rest():
     ({"beside_multi_token_ranks": -1}, "beside_multi_token_ranks must be >= 0"),
     ({"fold_multi_token_columns": -5}, "fold_multi_token_columns must be >= 0"),
     ({"fold_multi_layer_columns": -1}, "fold_multi_layer_columns must be >= 0"),
+    ({"fold_multi_layer_max_rank": -1}, "fold_multi_layer_max_rank must be >= 0"),
     ({"triton_linear_tokens": -1}, "triton_linear_tokens must be >= 0"),
     ({"mixed_multi_tokens": -2}, "mixed_multi_tokens must be >= 0"),
     ({"fp8_gemv_tokens": 17}, "fp8_gemv_tokens must be in 0..16"),
