@@ -154,8 +154,8 @@ class KernelSettings:
             raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         # token and size bounds where 0 switches the thing off
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
-                     "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens", "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens",
-                     "fp8_swap_tokens"):
+                     "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens",
+                     "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens", "fp8_swap_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:

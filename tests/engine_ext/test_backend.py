@@ -113,7 +113,8 @@ def test_zero_bounds_keep_unfolded_forwards_after_the_products():
     assert KernelSettings(fold_multi_token_ranks=0).lora_path(5, True, 16, 100) == "beside"
     assert KernelSettings(fold_multi_token_columns=0).lora_path(5, True, 16, 100) == "beside"
     assert KernelSettings(fold_multi_layer_columns=99).lora_path(5, True, 16, 100) == "beside"
-    assert KernelSettings(fold_multi_layer_columns=99).lora_path(5, True, 17, 100) == "fold"  # past the layer bound's rank
+    # past the layer bound's rank: folds on any layer
+    assert KernelSettings(fold_multi_layer_columns=99).lora_path(5, True, 17, 100) == "fold"
     assert KernelSettings(fold_multi_layer_columns=99, fold_multi_layer_max_rank=0).lora_path(5, True, 1, 100) == "fold"
     assert KernelSettings(fold_multi_layer_columns=0).lora_path(5, True, 16, 50000) == "fold"  # no layer bound
     assert KernelSettings(fold_decode_tokens=0, beside_lora_tokens=5).lora_path(5, False, 16, 100) == "beside"
