@@ -34,18 +34,24 @@ DEFAULT_AB='{"shrink_warps": 4}'
 KERNEL_SETTINGS=${KERNEL_SETTINGS:-"{}"}
 quiet() { grep -v "^adapter '" ; }  # the per-adapter "trained on" notice, 64 lines per engine
 # bench/serve_load.py once per set of open-loop runs on one engine: load_sets NAME MODES REQUESTS WARMUP EXTRA SET...,
-# each SET shape:rank:mix:runs (runs comma-separated); each run within ${<NAME>_TIMEOUT:-240} s (OPENLOOP_TIMEOUT, ...)
+# each SET shape:rank:mix:runs (runs comma-separated); each run within ${<NAME>_TIMEOUT:-240} s (OPENLOOP_TIMEOUT, ...).
+# With AB_TREE (an earlier commit unpacked beside this one: git archive <commit> | tar -x -C .ab/<commit>) each set
+# also runs in that tree, right after this one's, with AB_EXTRA in place of EXTRA (flags an older serve_load lacks)
 load_sets() {
-  local prefix=$1 modes=$2 requests=$3 warmup=$4 extra=$5 set shape rank mix runs name limit
+  local prefix=$1 modes=$2 requests=$3 warmup=$4 extra=$5 set shape rank mix runs name limit tree tag args
   limit=$(eval echo "\${${prefix^^}_TIMEOUT:-240}")
   shift 5
   for set in "$@"; do
     IFS=: read -r shape rank mix runs <<<"$set"
-    name="$prefix-${shape#llama-}-r$rank-$mix"
-    timeout $limit python3 bench/serve_load.py --shape $shape --rank $rank --mix $mix --spec 4 --modes $modes \
-      --runs ${runs//,/ } --requests $requests --warmup $warmup $extra --out "$OUT/$name.json" 2>"$OUT/$name.log" >/dev/null
-    echo "$name rc $?"; grep '^compare\|crash\|Error' "$OUT/$name.log" | cut -c1-400
-    pack
+    for tree in . ${AB_TREE:-}; do
+      name="$prefix-${shape#llama-}-r$rank-$mix" tag="" args=$extra
+      [ "$tree" != . ] && tag="-ab-$(basename "$tree")" args=${AB_EXTRA:-}
+      (cd "$tree" && timeout $limit python3 bench/serve_load.py --shape $shape --rank $rank --mix $mix --spec 4 \
+        --modes $modes --runs ${runs//,/ } --requests $requests --warmup $warmup $args --work-dir "$BENCH_DIR$tag" \
+        --out "$OUT/$name$tag.json" 2>"$OUT/$name$tag.log" >/dev/null)
+      echo "$name$tag rc $?"; grep '^compare\|crash\|Error' "$OUT/$name$tag.log" | cut -c1-400
+      pack
+    done
   done
 }
 
