@@ -93,21 +93,14 @@ class KernelSettings:
     # this many tokens (decode at batch <= 32 is one wave of programs, where overlapping each launch with the kernel
     # before it shortens the forward); 0: never
     pdl_max_tokens: int = 32
-    # ... and the split LoRA expand right after its shrink on one stream (triton_lora.lora_expand's `chain`: the
-    # beside path's deltas, the folded path's o delta, the "after" path) in launches of up to this many tokens; 0:
-    # never. Off until measured (bench/gpu_run.sh step paths).
-    lora_pdl_max_tokens: int = 0
-    # ---- the side stream of the LoRA deltas beside the products (triton_fused.SideBranch): its priority on torch's
-    # scale (0 the default; negative higher, below the device's range its highest). Captured kernels keep it, so
-    # at a higher one the deltas' programs are scheduled before a long product's waiting ones instead of after the
-    # product. Off (0) until measured (bench/gpu_run.sh step paths).
-    side_stream_priority: int = 0
     # ---- a slot's rank (AdapterSlots.rank_table): 1 masks every LoRA kernel's A columns and B rows past each slot's
     # adapter rank (zero padding), 0 reads the slots' full width. Off: as written (a mask from a rank read on the
     # device costs the A loads their vector width) the verify pass at batch 32 took 1.4-1.6x, while the plain step
     # at batch 32 gained 7% (H100, rank-16 adapters in rank-64 slots, bench/RESULTS.md section 1)
     rank_masks: int = 0
-    # ---- split LoRA shrink / expand (triton_lora.py)
+    # ---- split LoRA shrink / expand (triton_lora.py): the shrink splits K until about shrink_programs run leaders
+    # have work (two waves over the H200's 132 SMs; at most K / the K tile splits)
+    shrink_programs: int = 264
     shrink_warps: int = 2
     expand_warps: int = 4
     expand_block_n: int = 0  # the expand's column tile; 0: from the rank
@@ -159,23 +152,19 @@ class KernelSettings:
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
         if self.attn_stages < 0:
             raise ValueError(f"KernelSettings.attn_stages must be >= 0, got {self.attn_stages}")
-        if self.side_stream_priority > 0:
-            raise ValueError(f"KernelSettings.side_stream_priority must be <= 0 (0 the default, negative higher), "
-                             f"got {self.side_stream_priority}")
         if self.rank_masks not in (0, 1):
             raise ValueError(f"KernelSettings.rank_masks must be 0 or 1, got {self.rank_masks}")
         # token and size bounds where 0 switches the thing off
-        for name in ("pdl_max_tokens", "lora_pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks",
-                     "fold_multi_token_columns", "fold_multi_layer_columns", "fold_multi_layer_max_rank",
-                     "beside_lora_tokens", "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens",
-                     "fp8_swap_tokens"):
+        for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
+                     "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens",
+                     "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens", "fp8_swap_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:
             raise ValueError(f"KernelSettings.multi_run_tokens must be >= 1, got {self.multi_run_tokens}")
         if not 0 <= self.fp8_gemv_tokens <= 16:
             raise ValueError(f"KernelSettings.fp8_gemv_tokens must be in 0..16, got {self.fp8_gemv_tokens}")
-        for name in ("fp8_stages", "fp8_programs", "fp8_split_steps"):
+        for name in ("fp8_stages", "fp8_programs", "fp8_split_steps", "shrink_programs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KernelSettings.{name} must be >= 1, got {getattr(self, name)}")
         if self.attn_split_budget < 1:

@@ -389,13 +389,10 @@ class SideBranch:
     """Kernels queued on a second stream of the device, in parallel with the main stream's next ones (inside a
     CUDA graph capture: a parallel branch of the graph). `with branch:` forks: the side stream waits for what
     the main stream has queued so far and becomes the current stream; `branch.join()` makes the main stream
-    wait for what the side stream has queued. Off a CUDA device (the Triton interpreter) both are no-ops.
-    `priority`: the side stream's (torch's scale: 0 the default, negative higher); a graph's kernels keep the
-    priority of the stream that captured them, so a higher one lets the side kernels' programs start before the
-    rest of a long product's on the main stream."""
+    wait for what the side stream has queued. Off a CUDA device (the Triton interpreter) both are no-ops."""
 
-    def __init__(self, device: torch.device, priority: int = 0):
-        self.stream = torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._main = self._ctx = None
 
     def __enter__(self) -> SideBranch:
@@ -432,8 +429,7 @@ class TritonOps:
 
     def __init__(self, settings: KernelSettings, device: torch.device):
         self.settings = settings
-        # one side stream per engine, made before any graph capture
-        self.side_branch = SideBranch(device, settings.side_stream_priority)
+        self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
         # the products: cuBLAS's, or by their tokens (triton_linear_tokens) cuBLAS's or the split-K Triton GEMM
         self.linear = self._linear_by_tokens if settings.triton_linear_tokens else F.linear
 

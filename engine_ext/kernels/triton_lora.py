@@ -25,10 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch as _launch
 from .settings import KernelSettings
 
-_TARGET_PROGRAMS = 264  # two waves over the H200's 132 SMs
 _BLOCK_T = 16  # tokens of one run handled together (the smallest tensor-core tile)
 _DEFAULTS = KernelSettings()
 
@@ -67,9 +65,7 @@ def slot_rank(ranks_ptr, stride_rk, slot, R, RANKS: tl.constexpr):
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, part_ptr, ranks_ptr, T, K, R, R_SEG, k_per_split, skip_slot,
                    stride_xt, stride_as, stride_ak, stride_ps, stride_pt, stride_rk,
                    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                   RANKS: tl.constexpr, RELEASE: tl.constexpr):
-    if RELEASE:  # the expand after it launches with PDL: let it be scheduled now (it waits for this kernel's end)
-        tl.extra.cuda.gdc_launch_dependents()
+                   RANKS: tl.constexpr):
     t = tl.program_id(0)
     split = tl.program_id(1)
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
@@ -106,9 +102,7 @@ def _segment(nb, BLOCK_N: tl.constexpr, SEG1, SEG2):
 def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, ranks_ptr, T, N, R, num_splits, skip_slot, SEG1,
                    SEG2, stride_ps, stride_pt, stride_bs, stride_br, stride_ss, stride_yt, stride_rk,
                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
-                   SPLITS: tl.constexpr, STORE: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # launched while the shrink before it runs: wait for its end and memory flush before reading part
-        tl.extra.cuda.gdc_wait()
+                   SPLITS: tl.constexpr, STORE: tl.constexpr, RANKS: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
     slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
@@ -147,26 +141,20 @@ def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
     return block_r, max(32, budget // block_r)
 
 
-def _chain(num_tokens: int, device: torch.device, settings: KernelSettings) -> dict:
-    """The PDL constexpr and launch option of an expand right after its shrink on one stream (lora_pdl_max_tokens)."""
-    return _launch(num_tokens, device, settings.lora_pdl_max_tokens)
-
-
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot: int,
                 ranks: torch.Tensor | None = None, segment: int | None = None, *, run_tokens: int = 1,
-                chain: bool = False, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
+                settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """part[s, t, :] summed over s = x[t] @ A[slot[t]]   -> [splits, T, R] float32 (rows of skipped tokens undefined).
     `ranks` ([S] int32, AdapterSlots.group_rank): only each module's first ranks[slot] of its `segment` columns
     (default: all of A's) are read, the rest being zero padding. `run_tokens`: the tokens a run of one slot is taken
-    to hold (a verify pass's k + 1), so the K splits keep about _TARGET_PROGRAMS leaders busy. `chain`: the expand
-    that reads `part` is launched next on this stream with chain=True (it may then be scheduled during this kernel)."""
+    to hold (a verify pass's k + 1), so the K splits keep about settings.shrink_programs leaders busy."""
     num_tokens, fan_in = x.shape
     rank = a.shape[2]
     block_r, block_k = _tile(rank)
     block_k = min(block_k, triton.next_power_of_2(fan_in))
     chunks = triton.cdiv(fan_in, block_k)
     runs = triton.cdiv(max(num_tokens, 1), run_tokens)
-    splits = max(1, min(chunks, triton.cdiv(_TARGET_PROGRAMS, runs)))
+    splits = max(1, min(chunks, triton.cdiv(settings.shrink_programs, runs)))
     k_per_split = triton.cdiv(chunks, splits) * block_k
     splits = triton.cdiv(fan_in, k_per_split)
     part = torch.empty(splits, num_tokens, rank, dtype=torch.float32, device=x.device)
@@ -176,8 +164,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, skip_slot
             k_per_split, skip_slot, x.stride(0), a.stride(0), a.stride(1), part.stride(0), part.stride(1),
             ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, IEEE=x.dtype == torch.float32,
-            RANKS=masks_ranks(ranks, settings), RELEASE=chain and _chain(num_tokens, x.device, settings)["PDL"],
-            num_warps=settings.shrink_warps)
+            RANKS=masks_ranks(ranks, settings), num_warps=settings.shrink_warps)
     return part
 
 
@@ -192,14 +179,11 @@ def _segment_args(segments: tuple[int, ...], fan_out: int, block_n: int) -> tupl
 
 def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
                 skip_slot: int, segments: tuple[int, ...] = (0,), store: bool = False,
-                ranks: torch.Tensor | None = None, *, chain: bool = False,
-                settings: KernelSettings = _DEFAULTS) -> None:
+                ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> None:
     """y[t, seg cols] += sum_s part[s, t, seg*R:(seg+1)*R] @ B[slot[t], :, seg cols] * scale[slot[t], seg]
     (in place; y may be a column slice). `scale` is [S] for one module or [S, nseg] for a fused group.
     store: y (float32) = the delta itself, zero on skip_slot's rows. `ranks` ([S] int32): only the first
-    ranks[slot] rows of B are read (the rest is zero padding). `chain`: the shrink that wrote `part` is the kernel
-    just before this one on the stream (launched with chain=True): up to settings.lora_pdl_max_tokens tokens this
-    launch overlaps it (PDL) and waits for its end before reading."""
+    ranks[slot] rows of B are read (the rest is zero padding)."""
     num_tokens, fan_out = y.shape
     rank = b.shape[1]
     block_r, block_n = _tile(rank)
@@ -212,16 +196,15 @@ def lora_expand(y: torch.Tensor, part: torch.Tensor, b: torch.Tensor, scale: tor
             y.stride(0), ranks.stride(0) if ranks is not None else 0,
             BLOCK_T=_BLOCK_T, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=b.dtype == torch.float32,
             SPLITS=triton.next_power_of_2(part.shape[0]), STORE=store, RANKS=masks_ranks(ranks, settings),
-            **(_chain(num_tokens, y.device, settings) if chain else {"PDL": 0}), num_warps=settings.expand_warps)
+            num_warps=settings.expand_warps)
 
 
 def expand_delta(part: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                 ranks: torch.Tensor | None = None, *, chain: bool = False,
-                 settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
+                 ranks: torch.Tensor | None = None, *, settings: KernelSettings = _DEFAULTS) -> torch.Tensor:
     """sum_s part[s, t] @ B[slot[t]] * scale[slot[t]]   -> [T, out] float32, zero for tokens on the zero slot
-    (S - 1). `scale` [S] or [S, 1]; `ranks` and `chain` as lora_expand's."""
+    (S - 1). `scale` [S] or [S, 1]; `ranks` as lora_expand's."""
     out = torch.empty(part.shape[1], b.shape[2], dtype=torch.float32, device=b.device)
-    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True, ranks=ranks, chain=chain, settings=settings)
+    lora_expand(out, part, b, scale, slots, b.shape[0] - 1, store=True, ranks=ranks, settings=settings)
     return out
 
 
@@ -232,8 +215,8 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.T
     to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it. `ranks`
     ([S] int32): each slot's rank, past which A and B are zero padding and not read; `run_tokens` as lora_shrink's."""
     _check(x, x, a, b)
-    part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, run_tokens=run_tokens, chain=True, settings=settings)
-    return expand_delta(part, b, scale, slots, ranks, chain=True, settings=settings)
+    part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, run_tokens=run_tokens, settings=settings)
+    return expand_delta(part, b, scale, slots, ranks, settings=settings)
 
 
 def group_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
@@ -255,13 +238,12 @@ def _group(y, x, a, b, scale, slots, segments, ranks, store: bool, run_tokens: i
         ends = list(segments[1:]) + [y.shape[1]]
         for seg, (start, end) in enumerate(zip(segments, ends)):
             part = lora_shrink(x, a[:, :, seg * rank : (seg + 1) * rank], slots, skip_slot, ranks,
-                               run_tokens=run_tokens, chain=True, settings=settings)
+                               run_tokens=run_tokens, settings=settings)
             lora_expand(y[:, start:end], part, b[:, :, start:end], scale[:, seg], slots, skip_slot, store=store,
-                        ranks=ranks, chain=True, settings=settings)
+                        ranks=ranks, settings=settings)
         return
-    part = lora_shrink(x, a, slots, skip_slot, ranks, rank, run_tokens=run_tokens, chain=True, settings=settings)
-    lora_expand(y, part, b, scale, slots, skip_slot, segments, store=store, ranks=ranks, chain=True,
-                settings=settings)
+    part = lora_shrink(x, a, slots, skip_slot, ranks, rank, run_tokens=run_tokens, settings=settings)
+    lora_expand(y, part, b, scale, slots, skip_slot, segments, store=store, ranks=ranks, settings=settings)
 
 
 def _check(y, x, a, b) -> None:
@@ -283,8 +265,8 @@ def add_lora_triton(
     """y[i] += (x[i] @ A[slots[i]]) @ B[slots[i]] * scale[slots[i]]; lora_backend "triton"'s op."""
     _check(y, x, a, b)
     skip_slot = a.shape[0] - 1
-    part = lora_shrink(x, a, slots, skip_slot, ranks, chain=True, settings=settings)
-    lora_expand(y, part, b, scale, slots, skip_slot, ranks=ranks, chain=True, settings=settings)
+    part = lora_shrink(x, a, slots, skip_slot, ranks, settings=settings)
+    lora_expand(y, part, b, scale, slots, skip_slot, ranks=ranks, settings=settings)
 
 
 def add_lora_group_triton(

@@ -227,6 +227,9 @@ def ranks():
 
 
 def lora():
+    import triton
+
+    from engine_ext.kernels import KernelSettings
     from engine_ext.kernels import triton_lora as tlr
 
     g = torch.Generator().manual_seed(3)
@@ -248,6 +251,12 @@ def lora():
         _close(delta + y0, ref)
         for run_tokens in (3, 64):  # K splits sized by runs of a verify pass's tokens: the same delta
             _close(tlr.lora_delta(x, a, b, sc, idx, run_tokens=run_tokens) + y0, ref)
+        for programs in (1, 1 << 16):  # one K split, or as many as K tiles (KernelSettings.shrink_programs)
+            st = KernelSettings(shrink_programs=programs)
+            part = tlr.lora_shrink(x, a, idx, S - 1, settings=st)
+            k_tile = min(8192 // max(16, r), triton.next_power_of_2(fin))  # the shrink's K tile (triton_lora._tile)
+            assert part.shape[0] == (1 if programs == 1 else -(-fin // k_tile))
+            _close(tlr.lora_delta(x, a, b, sc, idx, settings=st) + y0, ref)
     # a fused group's deltas, with 16-aligned module starts (one launch each) and without (one per module)
     for segs, fout in (((0, 32, 48), 64), ((0, 40), 72)):
         t, fin, r, S = 12, 96, 8, 3

@@ -48,8 +48,7 @@ def test_from_dict_sets_the_named_fields_and_keeps_the_rest():
     ({"fp8_gemv_block_n": 24}, "fp8_gemv_block_n must be a power of two"),
     ({"fold_decode_tokens": -1}, "fold_decode_tokens must be >= 0"),
     ({"multi_run_tokens": 0}, "multi_run_tokens must be >= 1"),
-    ({"lora_pdl_max_tokens": -1}, "lora_pdl_max_tokens must be >= 0"),
-    ({"side_stream_priority": 1}, r"side_stream_priority must be <= 0"),
+    ({"shrink_programs": 0}, "shrink_programs must be >= 1"),
 ])
 def test_invalid_settings_are_refused(values, match):
     with pytest.raises(ValueError, match=match):

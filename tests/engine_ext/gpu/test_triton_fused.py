@@ -327,17 +327,14 @@ def test_lora_folding_under_other_launch_settings(setting, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,rank,run_tokens", [(160, 16, 4), (160, 64, 4), (40, 16, 1), (37, 16, 4)])
-@pytest.mark.parametrize("launch", [{}, {"side_stream_priority": -1, "lora_pdl_max_tokens": 256}],
-                         ids=["default", "priority-pdl"])
-def test_lora_deltas_beside_the_products_added_by_rope_and_silu(dtype, tokens, rank, run_tokens, launch):
+def test_lora_deltas_beside_the_products_added_by_rope_and_silu(dtype, tokens, rank, run_tokens):
     """DecoderLayer.beside_lora's kernels: the q/k/v and gate/up deltas (group_delta, float32, on a side branch,
     in and out of a CUDA graph) added by the rotary and SiLU kernels give the reference composition; K splits
-    sized for runs of any length (a verify pass's 5 tokens, runs of 1) change nothing but the split count, nor
-    does a high-priority side stream with each expand launched during its shrink (`launch`)."""
+    sized for runs of any length (a verify pass's 5 tokens, runs of 1) change nothing but the split count."""
     from engine_ext.kernels import KernelSettings
     from engine_ext.kernels.triton_fused import TritonOps
 
-    ops = TritonOps(KernelSettings(multi_run_tokens=run_tokens, **launch), torch.device(DEV))
+    ops = TritonOps(KernelSettings(multi_run_tokens=run_tokens), torch.device(DEV))
     g = _gen(tokens * 7 + rank)
     hidden, inter, num_slots, heads, kv_heads, head_dim = 2048, 8192, 9, 32, 8, 64
     qs, kvs = heads * head_dim, kv_heads * head_dim

@@ -138,38 +138,3 @@ def test_a_slots_rank_bounds_what_the_op_reads(dtype):
     ref_delta = triton_lora.lora_delta(x, a_cut[:, :, :rank].contiguous(), b_cut[:, :, : outs[0]].contiguous(),
                                        scale[:, 0].contiguous(), slots)
     torch.testing.assert_close(delta, ref_delta, rtol=0, atol=0)
-
-
-def test_an_expand_launched_during_its_shrink_reads_the_shrinks_result():
-    """KernelSettings.lora_pdl_max_tokens: the expand launched with PDL while its shrink runs waits for the shrink's
-    partials: the one-module op, the fused-group op and the float32 delta equal the launches without it, eagerly and
-    replayed in a CUDA graph whose inputs change between replays (the side stream's chains, as a verify pass runs them)."""
-    from engine_ext.kernels import KernelSettings, triton_lora
-
-    on, off = KernelSettings(lora_pdl_max_tokens=1024), KernelSettings(lora_pdl_max_tokens=0)
-    gen = torch.Generator("cuda").manual_seed(13)
-    t, fin, outs, rank, num_slots = 160, 2048, (2048, 512, 512), 16, 33
-    x, a, b, scale, idx = _operands(t, fin, sum(outs), 3 * rank, num_slots, torch.bfloat16, gen, runs=True)
-    scale = torch.rand(num_slots, 3, generator=gen, device="cuda")
-    segments = (0, outs[0], outs[0] + outs[1])
-    one_a, one_b = a[:, :, :rank].contiguous(), b[:, :rank, : outs[0]].contiguous()
-    one_scale = scale[:, 0].contiguous()
-
-    def run(st):
-        y = torch.zeros(t, outs[0], device="cuda", dtype=torch.bfloat16)
-        triton_lora.add_lora_triton(y, x, one_a, one_b, one_scale, idx, settings=st)
-        group = triton_lora.group_delta(x, a, b[:, :rank], scale, idx, segments, run_tokens=5, settings=st)
-        return y, group, triton_lora.lora_delta(x, one_a, one_b, one_scale, idx, run_tokens=5, settings=st)
-
-    for got, want in zip(run(on), run(off)):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    graph, source = torch.cuda.CUDAGraph(), torch.empty_like(x)
-    with torch.cuda.graph(graph):
-        x.copy_(source)  # the kernel before the chain writes what the shrink reads
-        outputs = run(on)
-    for seed in range(3):
-        source.normal_(generator=gen)
-        graph.replay()
-        torch.cuda.synchronize()
-        for got, want in zip(outputs, run(off)):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
