@@ -84,7 +84,7 @@ class KernelSettings:
     # Multi-token forwards that would go beside the products with at most this many tokens (and tokens x rank within
     # fold_multi_token_ranks) take "mixed" instead: attention's LoRA folded (short products, 5,120 of 1B's 23,552
     # columns), the MLP's beside its products (gate/up's columns are most of a folded token's re-reads); 0: never.
-    # Off until measured (bench/gpu_run.sh step paths).
+    # Off: at 1B batch 32 k = 4 it took 2.690 ms against beside's 2.665 (H100, bench/RESULTS.md section 1).
     mixed_multi_tokens: int = 0
     # Tokens a run of one adapter is taken to hold in a forward with several tokens of a sequence (a verify pass's
     # k + 1): the split shrink sizes its K splits by the runs (a run's leader does its tokens' work), not the tokens.
@@ -111,6 +111,12 @@ class KernelSettings:
     # product from 32 to 256 tokens, and cuBLASLt, the transposed problem and two half products no better
     # (bench/verify_gemm.py, bench/RESULTS.md section 1): off.
     triton_linear_tokens: int = 0
+    # ---- SMs a product leaves to the LoRA kernels on the side stream beside it (TritonOps.linear: the product as
+    # cuBLASLt's with its SM count target that many below the device's, for products queued while a side branch is
+    # pending; the beside path's four, the folded path's o and down). A product of one wave of tiles holds every SM
+    # until it ends, so the side kernels queued beside it run after it (1B batch 32 k = 4, H100: 0.92 ms of split
+    # kernels, 0.27 hidden). 0: off, until measured (bench/gpu_run.sh step paths)
+    beside_sm_carveout: int = 0
     # ---- the FP8 weights' W8A16 GEMM (triton_fp8.py), decode-sized products (up to 256 tokens): K columns per inner
     # step, column tile, pipeline stages (K tiles in flight per program) and warps; K is split between programs while
     # the tiles number fewer than fp8_programs and each program keeps at least fp8_split_steps K tiles
@@ -157,7 +163,8 @@ class KernelSettings:
         # token and size bounds where 0 switches the thing off
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
                      "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens",
-                     "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens", "fp8_swap_tokens"):
+                     "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens", "fp8_swap_tokens",
+                     "beside_sm_carveout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:

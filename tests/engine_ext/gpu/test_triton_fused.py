@@ -384,3 +384,44 @@ def test_lora_deltas_beside_the_products_added_by_rope_and_silu(dtype, tokens, r
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(outs[0], q) and torch.equal(outs[1], act)  # the captured branch computes what eager did
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_product_beside_pending_side_work_leaves_sms_and_computes_the_same(with_bias):
+    """KernelSettings.beside_sm_carveout: a product queued while the side branch is pending is cuBLASLt's on fewer
+    SMs, the same product within bf16 rounding, eagerly and replayed from a graph with new inputs; the process-wide
+    carve-out is put back after each; a product with no branch pending is cuBLAS's as before."""
+    import torch.nn.functional as F
+
+    from engine_ext.kernels import KernelSettings
+    from engine_ext.kernels.triton_fused import TritonOps
+
+    ops = TritonOps(KernelSettings(beside_sm_carveout=32), torch.device(DEV))
+    g = _gen(17)
+    x = torch.randn(160, 2048, generator=g, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(8192, 2048, generator=g, device=DEV) * 2048**-0.5).to(torch.bfloat16)
+    bias = torch.randn(8192, generator=g, device=DEV).to(torch.bfloat16) if with_bias else None
+    assert torch.equal(ops.linear(x, w, bias), F.linear(x, w, bias))
+    side_in = torch.randn(4096, generator=g, device=DEV)
+
+    def forward():
+        with ops.side_branch:
+            side = side_in * 2  # the side stream's work meanwhile
+        y = ops.linear(x, w, bias)
+        ops.side_branch.join()
+        return y, side
+
+    y, side = forward()
+    torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(side, side_in * 2)
+    assert torch._C._get_sm_carveout_experimental() is None
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = forward()
+    assert torch._C._get_sm_carveout_experimental() is None
+    for seed in range(2):
+        x.copy_(torch.randn(160, 2048, generator=g, device=DEV).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1.6e-2, atol=1e-2)
