@@ -441,9 +441,10 @@ class TritonOps:
         if self._carveout and not hasattr(torch._C, "_set_sm_carveout_experimental"):
             raise ValueError(f"KernelSettings.beside_sm_carveout needs torch's SM carve-out for cuBLASLt "
                              f"(torch._C._set_sm_carveout_experimental), which torch {torch.__version__} lacks")
-        if self._carveout and self._carveout >= torch.cuda.get_device_properties(device).multi_processor_count:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if self._carveout else 0
+        if self._carveout >= sms > 0:
             raise ValueError(f"KernelSettings.beside_sm_carveout ({self._carveout}) must leave the products some of "
-                             f"the device's {torch.cuda.get_device_properties(device).multi_processor_count} SMs")
+                             f"the device's {sms} SMs")
         # the products: cuBLAS's, or by their tokens (triton_linear_tokens) cuBLAS's or the split-K Triton GEMM, or
         # beside side-stream work cuBLASLt's on fewer SMs
         routed = settings.triton_linear_tokens or self._carveout
