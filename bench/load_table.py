@@ -1,9 +1,10 @@
 """Issue 41's open-loop bars from bench/serve_load.py's JSON (runs of base-only, plain and gated on one traffic):
 per run gated TPOT p50 over base-only's (bar 1.15), gated TPOT p99 and TTFT p50 over plain's (bars 1.1), the share of
 decode steps that were cycles, and on bursts gated over plain throughput (bar 1.0) and gated over base-only's within
-10% of the bound (k+1)B/(kB+V) over base-only ("missed" names the bars a run misses): B the base-only pass and V the verify pass over k+1 tokens a sequence, from the gated run's own pass
-times at its largest batch. Prints one JSON line per run and a markdown table; a file named NAME-ab-TREE.json beside
-NAME.json (gpu_run.sh's AB_TREE) gives the earlier tree's TPOT p50s in the last column.
+10% of the bound (k+1)B/(kB+V) over base-only ("missed" names the bars a run misses): B the base-only pass and V the
+verify pass over k+1 tokens a sequence, from the gated run's own pass times at its largest batch. Prints one JSON
+line per run and a markdown table; a file named NAME-ab-TREE.json beside NAME.json (gpu_run.sh's AB_TREE) gives the
+earlier tree's TPOT p50s in the last column.
 
     python bench/load_table.py results/*-lightload-*.json
 """
@@ -50,12 +51,13 @@ def rows(data: dict, name: str, earlier: dict | None = None) -> list[dict]:
         base, plain, gated = (by.get((run, m)) for m in ("base", "plain", "gated"))
         if not (base and plain and gated):
             continue
-        steps = (gated.get("cycles") or 0) + (gated.get("plain_steps") or 0)
+        cycles = gated.get("cycles") or 0
+        steps = cycles + (gated.get("plain_steps") or 0)
         row = {"file": name, "run": run, "tpot_p50_ms": [m["tpot_ms"]["p50"] for m in (base, plain, gated)],
                "gated_over_base_tpot_p50": round(gated["tpot_ms"]["p50"] / base["tpot_ms"]["p50"], 3),
                "gated_over_plain_tpot_p99": round(gated["tpot_ms"]["p99"] / plain["tpot_ms"]["p99"], 3),
                "gated_over_plain_ttft_p50": round(gated["ttft_ms"]["p50"] / plain["ttft_ms"]["p50"], 3),
-               "cycle_share": round(gated["cycles"] / steps, 3) if steps else None,
+               "cycle_share": round(cycles / steps, 3) if steps else None,
                "gated_over_plain_tput": round(gated["tokens_per_s"] / plain["tokens_per_s"], 3)}
         if run == "burst":  # point 3: at least plain's throughput, within 10% of the bound
             bound = burst_bound(gated.get("pass_times_ms") or {}, data.get("spec") or 4)
