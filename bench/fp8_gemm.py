@@ -54,10 +54,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / s).to(FP8_DTYPE), s
 
 
-def sweep_settings(cases, sweep: list[dict], variants: list[dict] = ()) -> dict:
+def sweep_settings(cases, sweep: list[dict], variants: list[dict] = (), one_at_a_time: bool = True) -> dict:
     """Each SWEEP variant's total time over the cases (name, tokens, x, w8, scale), then the best value of each
     setting together, then each of `variants` (whole settings); appends a row per case and variant to `sweep` and
-    returns the summary."""
+    returns the summary. Without `one_at_a_time`: the defaults and the variants only."""
     from engine_ext.kernels.triton_fp8 import fp8_linear_triton
 
     def total(values: dict) -> float:
@@ -74,9 +74,9 @@ def sweep_settings(cases, sweep: list[dict], variants: list[dict] = ()) -> dict:
         print("sweep", json.dumps(values), "%.4f ms" % out, flush=True)
         return out
 
-    totals = {json.dumps(v): total(v) for v in SWEEP}
+    totals = {json.dumps(v): total(v) for v in (SWEEP if one_at_a_time else [{}])}
     best = {}
-    for name, values in SWEEP_VALUES.items():  # each setting's value with the least total, the default's included
+    for name, values in SWEEP_VALUES.items() if one_at_a_time else ():  # each setting's value with the least total, the default's included
         options = [(totals["{}"], None)] + [(totals[json.dumps({name: v})], v) for v in values]
         if min(options, key=lambda o: o[0])[1] is not None:
             best[name] = min(options, key=lambda o: o[0])[1]
@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--variants", nargs="*", type=json.loads, default=[],
                     help="with --sweep: whole KernelSettings (JSON objects) timed after the one-at-a-time sweep")
+    ap.add_argument("--variants-only", action="store_true", help="with --sweep: the defaults and --variants only")
+    ap.add_argument("--sweep-tokens", nargs="+", type=int, default=SWEEP_TOKENS,
+                    help="with --sweep: the token counts swept (of --tokens)")
     ap.add_argument("--no-scaled-mm", action="store_true", help="time only the bf16 product and the W8A16 GEMM")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -138,9 +141,9 @@ def main() -> None:
                         row["scaled_mm_error"] = repr(e)[:200]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                if args.sweep and m in SWEEP_TOKENS and shape == SWEEP_SHAPE:
+                if args.sweep and m in args.sweep_tokens and shape == SWEEP_SHAPE:
                     cases.append((name, m, x, w8, scale))
-    summary = sweep_settings(cases, sweep, args.variants) if cases else {}
+    summary = sweep_settings(cases, sweep, args.variants, not args.variants_only) if cases else {}
     out = {"machine": machine(), "commit": commit(), "rows": rows, "sweep": sweep, **summary}
     print(json.dumps(summary))
     if args.out:

@@ -119,9 +119,11 @@ class KernelSettings:
     beside_sm_carveout: int = 0
     # ---- the FP8 weights' W8A16 GEMM (triton_fp8.py), decode-sized products (up to 256 tokens): K columns per inner
     # step, column tile, pipeline stages (K tiles in flight per program) and warps; K is split between programs while
-    # the tiles number fewer than fp8_programs and each program keeps at least fp8_split_steps K tiles
+    # the tiles number fewer than fp8_programs and each program keeps at least fp8_split_steps K tiles. Measured on an
+    # H100 over the 8B shape's four products at 1-160 tokens (bench/fp8_gemm.py --sweep --variants, bench/RESULTS.md
+    # section 15): 64-column tiles and 3 stages took 0.77-0.81x the 128-column, 4-stage tiles' time at 3-32 tokens
     fp8_block_k: int = 128
-    fp8_block_n: int = 128
+    fp8_block_n: int = 64
     # the decode-sized tiles' token side at most (a verify pass of 160 tokens in tiles of 64 reads each weight tile
     # three times), and up to how many tokens a product's tile is computed transposed (W8 @ x.T: the widened weights
     # the tensor cores' first operand, the tokens the narrow second; 0: never). Transposed with 128-token tiles, the
@@ -131,14 +133,19 @@ class KernelSettings:
     fp8_swap_tokens: int = 0
     fp8_programs: int = 264
     fp8_split_steps: int = 4
-    fp8_stages: int = 4
+    fp8_stages: int = 3
     fp8_warps: int = 4
     # products of at most this many tokens take a GEMV kernel instead (no tensor cores: each weight tile widened to
-    # float32 once and multiplied by every token's row, in fp8_gemv_block_n-row tiles, K split as above; the GEMM's
-    # decode tiles stream FP8 weights at about half of HBM's bandwidth at one token, bench/RESULTS.md section 15);
-    # 0: never. Off until measured (bench/fp8_gemm.py --variants).
-    fp8_gemv_tokens: int = 0
+    # float32 once and multiplied by every token's row, in fp8_gemv_block_n-row tiles, K split as above); 0: never.
+    # At one token it took 0.90x the GEMM's 64-column tiles' time, at two 1.13x (8B products, H100)
+    fp8_gemv_tokens: int = 1
     fp8_gemv_block_n: int = 64
+    # products of more than fp8_multi_tokens tokens, up to the bytes-bound limit (verify passes, short prompts), take
+    # their own K and column tiles (0: the decode tiles' fp8_block_k / fp8_block_n; fp8_multi_tokens 0: none do): at
+    # 160 tokens the 64-column decode tiles took 1.44x the time of 64-deep, 128-column ones (8B products, H100)
+    fp8_multi_tokens: int = 32
+    fp8_multi_block_k: int = 64
+    fp8_multi_block_n: int = 128
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -152,7 +159,8 @@ class KernelSettings:
         for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n", "fp8_block_m",
                      "fp8_gemv_block_n"):
             _check_pow2(name, getattr(self, name), 16, 1 << 16)
-        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi"):
+        for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi",
+                     "fp8_multi_block_k", "fp8_multi_block_n"):
             if getattr(self, name):
                 _check_pow2(name, getattr(self, name), 16, 1 << 16, zero=True)
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
@@ -164,7 +172,7 @@ class KernelSettings:
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
                      "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens",
                      "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens", "fp8_swap_tokens",
-                     "beside_sm_carveout"):
+                     "beside_sm_carveout", "fp8_multi_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:

@@ -186,8 +186,11 @@ def launch_config(M: int, N: int, K: int, settings: KernelSettings = _DEFAULTS, 
         block_m, block_n, block_k, warps, stages = _LARGE
         return block_m, block_n, block_k, warps, _fit(stages, block_m, block_n, block_k, x_bytes, w_bytes), 1, False
     block_m = min(settings.fp8_block_m, max(16, triton.next_power_of_2(M)))
-    block_k = min(settings.fp8_block_k, max(16, triton.next_power_of_2(K)))
-    block_n = min(settings.fp8_block_n, max(16, triton.next_power_of_2(N)))
+    block_k, block_n = settings.fp8_block_k, settings.fp8_block_n
+    if settings.fp8_multi_tokens and M > settings.fp8_multi_tokens:  # verify passes, short prompts
+        block_k, block_n = settings.fp8_multi_block_k or block_k, settings.fp8_multi_block_n or block_n
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(N)))
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     steps = triton.cdiv(K, block_k)
     # split K (in halves, quarters, ...) while the tiles are fewer than the programs asked for and each share keeps

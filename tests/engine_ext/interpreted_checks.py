@@ -384,6 +384,8 @@ def fp8():
             _close(fp8_linear_triton(x, w8, scale, b, settings=swapped), ref)
             gemv = dataclasses.replace(settings, fp8_gemv_tokens=16, fp8_gemv_block_n=16)
             _close(fp8_linear_triton(x, w8, scale, b, settings=gemv), ref)
+            multi = dataclasses.replace(settings, fp8_multi_tokens=4, fp8_multi_block_k=16, fp8_multi_block_n=32)
+            _close(fp8_linear_triton(x, w8, scale, b, settings=multi), ref)
         # the same kernel over dense weights (no widening, no scale): F.linear's contract
         w = torch.randn(n, k, generator=g)
         for settings in (KernelSettings(), split, dataclasses.replace(split, fp8_swap_tokens=256),
@@ -408,11 +410,20 @@ def fp8():
     assert fp8_linear_triton(x3[:0], w8, scale).shape == (0, 3, 32)
     # K is split while the tiles are fewer than the programs asked for, each share keeping fp8_split_steps K tiles;
     # a wide product or a prompt is not split
-    assert launch_config(1, 4096, 4096)[5] == 8 and launch_config(1, 131072, 4096)[5] == 1
-    assert launch_config(1, 4096, 4096, KernelSettings(fp8_split_steps=16))[5] == 2
-    assert launch_config(1, 4096, 4096, KernelSettings(fp8_block_n=64))[1] == 64
+    wide128 = KernelSettings(fp8_block_n=128)
+    assert launch_config(1, 4096, 4096, wide128)[5] == 8 and launch_config(1, 131072, 4096, wide128)[5] == 1
+    assert launch_config(1, 4096, 4096, KernelSettings(fp8_block_n=128, fp8_split_steps=16))[5] == 2
+    assert launch_config(1, 4096, 4096, wide128)[1] == 128 and launch_config(1, 4096, 4096)[1] == 64
     assert launch_config(160, 4096, 4096)[0] == 64 and launch_config(1000, 4096, 4096)[0] > 64
     assert launch_config(1000, 4096, 4096)[5] == 1
+    # past fp8_multi_tokens tokens (and up to the bytes-bound limit) the multi-token tiles; 0 keeps the decode ones
+    multi = KernelSettings(fp8_multi_tokens=32, fp8_multi_block_k=64, fp8_multi_block_n=256, fp8_block_k=128,
+                           fp8_block_n=128)
+    assert launch_config(32, 4096, 4096, multi)[1:3] == (128, 128)
+    assert launch_config(33, 4096, 4096, multi)[1:3] == (256, 64) and launch_config(160, 4096, 4096, multi)[2] == 64
+    assert launch_config(1000, 4096, 4096, multi)[1:3] == launch_config(1000, 4096, 4096)[1:3]
+    assert launch_config(160, 4096, 4096, KernelSettings(fp8_multi_tokens=32, fp8_multi_block_n=0))[1:3] == (64, 64)
+    assert launch_config(160, 4096, 4096, KernelSettings(fp8_multi_tokens=0))[1:3] == (64, 128)
     # transposed tiles up to fp8_swap_tokens tokens, never for a prompt; the token side up to fp8_block_m
     wide = KernelSettings(fp8_swap_tokens=160, fp8_block_m=256)
     assert launch_config(160, 4096, 4096, wide)[6] and not launch_config(161, 4096, 4096, wide)[6]

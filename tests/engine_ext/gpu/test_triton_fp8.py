@@ -63,7 +63,10 @@ def test_launch_settings_change_nothing():
                   KernelSettings(fp8_swap_tokens=256, fp8_block_m=128, fp8_programs=4096, fp8_split_steps=1),
                   # a few tokens in the GEMV kernel (no tensor cores), K split and not
                   KernelSettings(fp8_gemv_tokens=16), KernelSettings(fp8_gemv_tokens=16, fp8_gemv_block_n=32,
-                                                                     fp8_block_k=512, fp8_split_steps=1 << 10)):
+                                                                     fp8_block_k=512, fp8_split_steps=1 << 10),
+                  # products past a few tokens in their own tiles
+                  KernelSettings(fp8_multi_tokens=4, fp8_multi_block_k=32, fp8_multi_block_n=256),
+                  KernelSettings(fp8_multi_tokens=32, fp8_multi_block_k=64, fp8_multi_block_n=64)):
             assert _rel(fp8_linear_triton(x, w8, scale, settings=s), ref) < 2e-3  # bf16 outputs, sums in another order
 
 
