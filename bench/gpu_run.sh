@@ -105,6 +105,20 @@ for step in $STEPS; do
       # LIGHTLOAD_SETS: shape:rank:mix:runs (runs comma-separated); the default is the issue's matrix, more than one
       # 10-minute call holds: run the 1B sets in one call and the 8B set in another
       load_sets lightload "base plain gated" ${LIGHTLOAD_REQUESTS:-160} 30 --gate-trace ${LIGHTLOAD_SETS:-llama-3.2-1b:16:near:poisson:30,poisson:90,burst llama-3.2-1b:16:mixed:poisson:30,poisson:90,burst llama-3.2-1b:64:mixed:gamma:60:4,burst llama-3.1-8b:16:mixed:poisson:10,poisson:25,burst} ;;
+    fp8load)  # issue 40, point 3: open-loop bursts at 8B with bf16 and with FP8 base weights, base-only, plain and
+      # gated on identical traffic, one engine each (FP8LOAD_SETS as LIGHTLOAD_SETS; the FP8 engine quantizes the same
+      # weights at load, so the two share one work dir)
+      load_sets bf16load "base plain gated" ${FP8LOAD_REQUESTS:-400} 30 "" ${FP8LOAD_SETS:-llama-3.1-8b:16:mixed:burst}
+      load_sets fp8load "base plain gated" ${FP8LOAD_REQUESTS:-400} 30 "--quantization fp8" \
+        ${FP8LOAD_SETS:-llama-3.1-8b:16:mixed:burst}
+      for f in "$OUT"/fp8load-*.json; do  # FP8 over bf16 tokens/s per run and mode
+        python3 -c 'import json, sys
+fp8, bf16 = (json.load(open(p)) for p in sys.argv[1:])
+tps = lambda d: {(r["run"], r["mode"]): r["tokens_per_s"] for r in d["runs"]}
+a, b = tps(fp8), tps(bf16)
+print(sys.argv[1], " ".join("%s %s %.0f/%.0f %.2fx" % (*k, a[k], b[k], a[k] / b[k]) for k in a if k in b))' \
+          "$f" "${f/fp8load-/bf16load-}"
+      done ;;
     load8b)  # open-loop traffic at the 8B shape with speculation gated: Poisson 10 and 25 req/s, then a burst
       timeout 330 python3 bench/serve_load.py --shape llama-3.1-8b --runs poisson:10 poisson:25 burst --requests 300 \
         --spec 4 --out "$OUT/load8b.json" 2>"$OUT/load8b.log" >/dev/null
@@ -251,8 +265,8 @@ for name in ("forward.json", "forward_8b.json", "forward_fp8.json", "gate.json",
     d = json.load(open(path))
     for r in d.get("forward", []):
         print(name, r.get("shape", ""), r.get("quantization", ""), r["mode"], "b", r["batch"], "a", r["adapters"],
-              "gpu_ms %.3f" % r["gpu_ms"],
-              "bytes_ms %.3f" % r["bytes_model_ms"], "bw %.1f%%" % (100 * r["bw_fraction"]))
+              "gpu_ms %.3f" % r["gpu_ms"], *(["bytes_ms %.3f" % r["bytes_model_ms"], "bw %.1f%%" % (100 * r["bw_fraction"])]
+                                               if "bytes_model_ms" in r else []))
     for r in d.get("load", []):
         print(name, "load r%d" % r["rank"], "load/h2d %.2f" % r["load_over_h2d"],
               "itl rise p50 %+.1f%% max %+.1f%%" % (100 * r["itl_rise_p50"], 100 * r["itl_rise_max"]))
