@@ -76,7 +76,8 @@ def sweep_settings(cases, sweep: list[dict], variants: list[dict] = (), one_at_a
 
     totals = {json.dumps(v): total(v) for v in (SWEEP if one_at_a_time else [{}])}
     best = {}
-    for name, values in SWEEP_VALUES.items() if one_at_a_time else ():  # each setting's value with the least total, the default's included
+    for name, values in SWEEP_VALUES.items() if one_at_a_time else ():
+        # each setting's value with the least total, the default's included
         options = [(totals["{}"], None)] + [(totals[json.dumps({name: v})], v) for v in values]
         if min(options, key=lambda o: o[0])[1] is not None:
             best[name] = min(options, key=lambda o: o[0])[1]

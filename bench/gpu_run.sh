@@ -265,8 +265,8 @@ for name in ("forward.json", "forward_8b.json", "forward_fp8.json", "gate.json",
     d = json.load(open(path))
     for r in d.get("forward", []):
         print(name, r.get("shape", ""), r.get("quantization", ""), r["mode"], "b", r["batch"], "a", r["adapters"],
-              "gpu_ms %.3f" % r["gpu_ms"], *(["bytes_ms %.3f" % r["bytes_model_ms"], "bw %.1f%%" % (100 * r["bw_fraction"])]
-                                               if "bytes_model_ms" in r else []))
+              "gpu_ms %.3f" % r["gpu_ms"],  # FP8 rows have no bytes model: nan
+              "bytes_ms %.3f" % r.get("bytes_model_ms", float("nan")), "bw %.1f%%" % (100 * r.get("bw_fraction", float("nan"))))
     for r in d.get("load", []):
         print(name, "load r%d" % r["rank"], "load/h2d %.2f" % r["load_over_h2d"],
               "itl rise p50 %+.1f%% max %+.1f%%" % (100 * r["itl_rise_p50"], 100 * r["itl_rise_max"]))
