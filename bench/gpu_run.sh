@@ -208,12 +208,11 @@ print(sys.argv[1], " ".join("%s %s %.0f/%.0f %.2fx" % (*k, a[k], b[k], a[k] / b[
         --kernel-settings "$KERNEL_SETTINGS" --out "$OUT/forward_fp8.json" 2>&1 | quiet >"$OUT/forward_fp8.log"
       echo "fp8 forward rc $?" ;;
     paths)  # issue 41: where a verify pass's LoRA runs (KernelSettings.lora_path), per shape and rank: the defaults,
-      # folded, beside the products, after them, and the products leaving 16 or 32 SMs to the side stream's LoRA
-      # kernels (beside_sm_carveout) (PATHS_VARIANTS: NAME=JSON words; PATHS_RANKS, default 16; about 2 minutes at
-      # 1B on an H100, 4 at 8B), verify k=1..4 at batch 8 and 32
+      # folded, beside the products and after them (PATHS_VARIANTS: NAME=JSON words; PATHS_RANKS, default 16; about
+      # 2 minutes at 1B on an H100, 4 at 8B), verify k=1..4 at batch 8 and 32
       # with the base model's floor; then where a batch-32 verify pass's GPU time goes, by kernel, on the defaults
       for shape in ${PATHS_SHAPES:-llama-3.2-1b llama-3.1-8b}; do
-        for variant in ${PATHS_VARIANTS:-defaults='{}' fold='{"fold_multi_token_columns":1000000000,"fold_multi_layer_columns":0,"beside_multi_token_ranks":0}' beside='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":65536}' after='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":0}' carve16='{"beside_sm_carveout":16}' carve32='{"beside_sm_carveout":32}'}; do
+        for variant in ${PATHS_VARIANTS:-defaults='{}' fold='{"fold_multi_token_columns":1000000000,"fold_multi_layer_columns":0,"beside_multi_token_ranks":0}' beside='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":65536}' after='{"fold_multi_token_ranks":0,"beside_multi_token_ranks":0}'}; do
           name=${variant%%=*}
           timeout ${PATHS_TIMEOUT:-150} python3 bench/decode.py --shapes $shape --ranks ${PATHS_RANKS:-16} --batches 8 32 \
             --adapters 0 8 32 --sections forward --iters 10 --kernel-settings "${variant#*=}" \

@@ -111,12 +111,6 @@ class KernelSettings:
     # product from 32 to 256 tokens, and cuBLASLt, the transposed problem and two half products no better
     # (bench/verify_gemm.py, bench/RESULTS.md section 1): off.
     triton_linear_tokens: int = 0
-    # ---- SMs a product leaves to the LoRA kernels on the side stream beside it (TritonOps.linear: the product as
-    # cuBLASLt's with its SM count target that many below the device's, for products queued while a side branch is
-    # pending; the beside path's four, the folded path's o and down). A product of one wave of tiles holds every SM
-    # until it ends, so the side kernels queued beside it run after it (1B batch 32 k = 4, H100: 0.92 ms of split
-    # kernels, 0.27 hidden). 0: off, until measured (bench/gpu_run.sh step paths)
-    beside_sm_carveout: int = 0
     # ---- the FP8 weights' W8A16 GEMM (triton_fp8.py), decode-sized products (up to 256 tokens): K columns per inner
     # step, column tile, pipeline stages (K tiles in flight per program) and warps; K is split between programs while
     # the tiles number fewer than fp8_programs and each program keeps at least fp8_split_steps K tiles. Measured on an
@@ -172,7 +166,7 @@ class KernelSettings:
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
                      "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens",
                      "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens", "fp8_swap_tokens",
-                     "beside_sm_carveout", "fp8_multi_tokens"):
+                     "fp8_multi_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:

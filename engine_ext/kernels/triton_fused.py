@@ -389,16 +389,13 @@ class SideBranch:
     """Kernels queued on a second stream of the device, in parallel with the main stream's next ones (inside a
     CUDA graph capture: a parallel branch of the graph). `with branch:` forks: the side stream waits for what
     the main stream has queued so far and becomes the current stream; `branch.join()` makes the main stream
-    wait for what the side stream has queued. Off a CUDA device (the Triton interpreter) both are no-ops.
-    `pending`: a branch was forked and not joined yet (what the main stream queues meanwhile runs beside it)."""
+    wait for what the side stream has queued. Off a CUDA device (the Triton interpreter) both are no-ops."""
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._main = self._ctx = None
-        self.pending = False
 
     def __enter__(self) -> SideBranch:
-        self.pending = True
         if self.stream is not None:
             self._main = torch.cuda.current_stream(self.stream.device)
             self.stream.wait_stream(self._main)
@@ -412,7 +409,6 @@ class SideBranch:
             self._ctx = None
 
     def join(self) -> None:
-        self.pending = False
         if self._main is not None:
             self._main.wait_stream(self.stream)
 
@@ -427,62 +423,24 @@ class TritonOps:
 
     The products are cuBLAS's (F.linear): at decode sizes it is faster than a split-K Triton GEMM with the
     LoRA expands in its epilogue for every product but the LM head (`git show 211e305:bench/RESULTS.md`). Products
-    of `settings.triton_linear_tokens` to 256 tokens may take triton_fp8's split-K GEMM instead (off by default).
-    With `settings.beside_sm_carveout`, a product queued while the side branch is pending (its LoRA work beside it)
-    is cuBLASLt's told to leave that many SMs to the side stream's kernels (off by default)."""
+    of `settings.triton_linear_tokens` to 256 tokens may take triton_fp8's split-K GEMM instead (off by default)."""
 
     fuses_lora = True
 
     def __init__(self, settings: KernelSettings, device: torch.device):
         self.settings = settings
         self.side_branch = SideBranch(device)  # one side stream per engine, made before any graph capture
-        self._carveout = settings.beside_sm_carveout if device.type == "cuda" else 0
-        self._zeros: list[torch.Tensor] = []  # the carved products' zero biases (_zero_bias)
-        if self._carveout and not hasattr(torch._C, "_set_sm_carveout_experimental"):
-            raise ValueError(f"KernelSettings.beside_sm_carveout needs torch's SM carve-out for cuBLASLt "
-                             f"(torch._C._set_sm_carveout_experimental), which torch {torch.__version__} lacks")
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if self._carveout else 0
-        if self._carveout >= sms > 0:
-            raise ValueError(f"KernelSettings.beside_sm_carveout ({self._carveout}) must leave the products some of "
-                             f"the device's {sms} SMs")
-        # the products: cuBLAS's, or by their tokens (triton_linear_tokens) cuBLAS's or the split-K Triton GEMM, or
-        # beside side-stream work cuBLASLt's on fewer SMs
-        routed = settings.triton_linear_tokens or self._carveout
-        self.linear = self._linear if routed else F.linear
+        # the products: cuBLAS's, or by their tokens (triton_linear_tokens) cuBLAS's or the split-K Triton GEMM
+        self.linear = self._linear_by_tokens if settings.triton_linear_tokens else F.linear
 
     def lora_path(self, num_tokens: int, multi: bool, rank: int, columns: int) -> str:
         return self.settings.lora_path(num_tokens, multi, rank, columns)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        tokens = self.settings.triton_linear_tokens
-        if tokens and tokens <= x.shape[0] <= BYTES_BOUND_M and x.dim() == 2 and weight.stride(1) == 1:
+    def _linear_by_tokens(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        if self.settings.triton_linear_tokens <= x.shape[0] <= BYTES_BOUND_M and x.dim() == 2 and weight.stride(1) == 1:
             return linear_triton(x, weight, bias, settings=self.settings)
-        if self._carveout and self.side_branch.pending and x.dim() == 2 and x.shape[0] > 1:
-            return self._carved_linear(x, weight, bias)
         return F.linear(x, weight, bias)
-
-    def _carved_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T (+ bias) by cuBLASLt on all but `_carveout` SMs: addmm with a 1-D bias (zeros without one)
-        takes the cuBLASLt path, whose SM count target torch sets from its carve-out as the launch is made (a graph
-        capture keeps the kernel so chosen)."""
-        if bias is None:
-            bias = self._zero_bias(weight)
-        before = torch._C._get_sm_carveout_experimental()
-        torch._C._set_sm_carveout_experimental(self._carveout)
-        try:
-            return torch.addmm(bias, x, weight.t())
-        finally:
-            torch._C._set_sm_carveout_experimental(before)
-
-    def _zero_bias(self, weight: torch.Tensor) -> torch.Tensor:
-        """Zeros as wide as the product's output, from buffers kept for the engine's life (a captured graph reads
-        the one it was captured with; made at the first carved product, an eager warm-up forward's before any
-        capture)."""
-        zeros = next((z for z in self._zeros if z.shape[0] >= weight.shape[0] and z.dtype == weight.dtype), None)
-        if zeros is None:
-            zeros = weight.new_zeros(max(weight.shape[0], 1 << 17))
-            self._zeros.append(zeros)
-        return zeros[: weight.shape[0]]
 
     def add_rms_norm(self, x, delta, weight, eps, lora=None, extra=None, rows=None):
         return add_rms_norm(x, delta, weight, eps, lora, extra, rows, settings=self.settings)

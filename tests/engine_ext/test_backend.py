@@ -118,22 +118,3 @@ def test_zero_bounds_keep_unfolded_forwards_after_the_products():
     assert KernelSettings(fold_multi_layer_columns=99, fold_multi_layer_max_rank=0).lora_path(5, True, 1, 100) == "fold"
     assert KernelSettings(fold_multi_layer_columns=0).lora_path(5, True, 16, 50000) == "fold"  # no layer bound
     assert KernelSettings(fold_decode_tokens=0, beside_lora_tokens=5).lora_path(5, False, 16, 100) == "beside"
-
-
-def test_products_beside_pending_side_work_leave_sms_only_on_a_gpu():
-    """KernelSettings.beside_sm_carveout routes products queued while a side branch is pending (SideBranch.pending,
-    from the fork to the join) through a carved cuBLASLt product on a GPU; off one the ops keep F.linear."""
-    pytest.importorskip("triton")
-    import torch.nn.functional as F
-
-    from engine_ext.kernels.triton_fused import SideBranch, TritonOps
-
-    assert TritonOps(KernelSettings(beside_sm_carveout=32), torch.device("cpu")).linear is F.linear
-    assert TritonOps(KernelSettings(), torch.device("cpu")).linear is F.linear
-    branch = SideBranch(torch.device("cpu"))
-    assert not branch.pending
-    with branch:
-        assert branch.pending
-    assert branch.pending  # the main stream's work after the fork runs beside the branch until it joins
-    branch.join()
-    assert not branch.pending

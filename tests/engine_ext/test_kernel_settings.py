@@ -49,7 +49,6 @@ def test_from_dict_sets_the_named_fields_and_keeps_the_rest():
     ({"fold_decode_tokens": -1}, "fold_decode_tokens must be >= 0"),
     ({"multi_run_tokens": 0}, "multi_run_tokens must be >= 1"),
     ({"shrink_programs": 0}, "shrink_programs must be >= 1"),
-    ({"beside_sm_carveout": -1}, "beside_sm_carveout must be >= 0"),
 ])
 def test_invalid_settings_are_refused(values, match):
     with pytest.raises(ValueError, match=match):
