@@ -25,12 +25,14 @@ from engine_ext.kernels import KernelSettings  # noqa: E402
 from engine_ext.quantization import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_fp8  # noqa: E402
 
 TOKENS = [1, 8, 32, 64, 160, 512, 2048]
-SWEEP_TOKENS = [1, 32, 160]  # decode at batch 1 and 32, a verify pass of 5 tokens a sequence at batch 32
+# decode at batch 1 and 32; verify passes at batch 1 (k = 2) and 32 (k = 1 and 4)
+SWEEP_TOKENS = [1, 3, 32, 64, 160]
 SWEEP_SHAPE = "llama-3.1-8b"
 # The sweep changes one launch setting at a time from the defaults, then times the best value of each together
-SWEEP_VALUES = {"fp8_block_n": (64, 256), "fp8_block_k": (64, 256), "fp8_programs": (132, 528, 1056),
-                "fp8_split_steps": (1, 2, 8), "fp8_stages": (2, 3, 6), "fp8_warps": (2, 8), "fp8_block_m": (128, 256),
-                "fp8_swap_tokens": (256,), "fp8_gemv_tokens": (16,)}
+SWEEP_VALUES = {"fp8_block_n": (32, 128), "fp8_block_k": (64, 256), "fp8_programs": (132, 528, 1056),
+                "fp8_split_steps": (1, 2, 8), "fp8_stages": (2, 4), "fp8_warps": (2, 8), "fp8_block_m": (128, 256),
+                "fp8_swap_tokens": (256,), "fp8_gemv_tokens": (0, 4), "fp8_gemv_block_n": (32, 128),
+                "fp8_multi_tokens": (0, 64), "fp8_multi_block_k": (32, 128), "fp8_multi_block_n": (64, 256)}
 SWEEP = [{}] + [{name: v} for name, values in SWEEP_VALUES.items() for v in values]
 
 

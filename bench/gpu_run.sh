@@ -197,10 +197,11 @@ print(sys.argv[1], " ".join("%s %s %.0f/%.0f %.2fx" % (*k, a[k], b[k], a[k] / b[
       echo "tp tests rc $?: $(tail -1 "$OUT/tp_tests.log")" ;;
     fp8)  # issue 40: the W8A16 GEMM alone against cuBLAS bf16 and _scaled_mm (with a launch-settings sweep), then the
       # decode forward at 8B and 1B with bf16 and FP8 base weights in one run (FP8_SHAPES), adapters off and on
-      # FP8_VARIANTS: whole settings the sweep also times (JSON words; default: the GEMV kernel's tiles)
-      read -r -a fp8_variants <<<"${FP8_VARIANTS:-{\"fp8_gemv_tokens\":16,\"fp8_gemv_block_n\":32\} {\"fp8_gemv_tokens\":16,\"fp8_gemv_block_n\":128\} {\"fp8_gemv_tokens\":16,\"fp8_block_k\":512\} {\"fp8_gemv_tokens\":16,\"fp8_warps\":8\}}"
-      timeout ${FP8_GEMM_TIMEOUT:-240} python3 bench/fp8_gemm.py ${FP8_SWEEP---sweep} --variants "${fp8_variants[@]}" \
-        --out "$OUT/fp8_gemm.json" >"$OUT/fp8_gemm.log" 2>&1
+      # FP8_VARIANTS: whole settings the sweep also times (JSON words; default: wider GEMV tiles); FP8_GEMM_ARGS: the
+      # products timed (default: the 8B's at the sweep's token counts, without _scaled_mm)
+      read -r -a fp8_variants <<<"${FP8_VARIANTS:-{\"fp8_gemv_block_n\":128,\"fp8_block_k\":256\} {\"fp8_gemv_block_n\":128,\"fp8_warps\":8\}}"
+      timeout ${FP8_GEMM_TIMEOUT:-240} python3 bench/fp8_gemm.py ${FP8_GEMM_ARGS:---shapes llama-3.1-8b --tokens 1 3 32 64 160 --no-scaled-mm} \
+        ${FP8_SWEEP---sweep} --variants "${fp8_variants[@]}" --out "$OUT/fp8_gemm.json" >"$OUT/fp8_gemm.log" 2>&1
       echo "fp8 gemm rc $?"; grep sweep_best "$OUT/fp8_gemm.log" | cut -c1-400
       pack
       timeout ${FP8_FORWARD_TIMEOUT:-300} python3 bench/decode.py --shapes ${FP8_SHAPES:-llama-3.1-8b llama-3.2-1b} \
