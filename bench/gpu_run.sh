@@ -108,9 +108,9 @@ for step in $STEPS; do
     fp8load)  # issue 40, point 3: open-loop bursts at 8B with bf16 and with FP8 base weights, base-only, plain and
       # gated on identical traffic, one engine each (FP8LOAD_SETS as LIGHTLOAD_SETS; the FP8 engine quantizes the same
       # weights at load, so the two share one work dir)
-      load_sets bf16load "base plain gated" ${FP8LOAD_REQUESTS:-400} 30 "" ${FP8LOAD_SETS:-llama-3.1-8b:16:mixed:burst}
-      load_sets fp8load "base plain gated" ${FP8LOAD_REQUESTS:-400} 30 "--quantization fp8" \
-        ${FP8LOAD_SETS:-llama-3.1-8b:16:mixed:burst}
+      sets=${FP8LOAD_SETS:-llama-3.1-8b:16:mixed:burst}
+      load_sets bf16load "base plain gated" ${FP8LOAD_REQUESTS:-400} 30 "" $sets
+      load_sets fp8load "base plain gated" ${FP8LOAD_REQUESTS:-400} 30 "--quantization fp8" $sets
       for f in "$OUT"/fp8load-*.json; do  # FP8 over bf16 tokens/s per run and mode
         python3 -c 'import json, sys
 fp8, bf16 = (json.load(open(p)) for p in sys.argv[1:])
@@ -265,7 +265,7 @@ for name in ("forward.json", "forward_8b.json", "forward_fp8.json", "gate.json",
     d = json.load(open(path))
     for r in d.get("forward", []):
         print(name, r.get("shape", ""), r.get("quantization", ""), r["mode"], "b", r["batch"], "a", r["adapters"],
-              "gpu_ms %.3f" % r["gpu_ms"],  # FP8 rows have no bytes model: nan
+              "gpu_ms %.3f" % r["gpu_ms"],  # the base model's verify-sized rows have no bytes model: nan
               "bytes_ms %.3f" % r.get("bytes_model_ms", float("nan")), "bw %.1f%%" % (100 * r.get("bw_fraction", float("nan"))))
     for r in d.get("load", []):
         print(name, "load r%d" % r["rank"], "load/h2d %.2f" % r["load_over_h2d"],
