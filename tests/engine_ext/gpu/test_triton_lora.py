@@ -138,3 +138,59 @@ def test_a_slots_rank_bounds_what_the_op_reads(dtype):
     ref_delta = triton_lora.lora_delta(x, a_cut[:, :, :rank].contiguous(), b_cut[:, :, : outs[0]].contiguous(),
                                        scale[:, 0].contiguous(), slots)
     torch.testing.assert_close(delta, ref_delta, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("t,fin,fout,rank,slots", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("programs", [1, 264, 1 << 16])
+def test_one_launch_delta_matches_the_split_kernels(t, fin, fout, rank, slots, dtype, programs):
+    """KernelSettings.delta_programs: the beside path's delta from one shrink-and-expand launch, in runs (a verify
+    pass's layout) and mixed slots, against the reference and the split shrink and expand."""
+    from engine_ext.kernels import KernelSettings, triton_lora
+
+    gen = torch.Generator("cuda").manual_seed(t * 5 + fout)
+    x, a, b, scale, idx = _operands(t, fin, fout, rank, slots, dtype, gen, runs=programs == 264)
+    ref = torch.zeros(t, fout, device="cuda")
+    add_lora_reference(ref, x.float(), a.float(), b.float(), scale, idx)
+    st = KernelSettings(delta_programs=programs)
+    delta = triton_lora.lora_delta(x, a, b, scale, idx, run_tokens=5, settings=st)
+    assert delta.dtype == torch.float32 and torch.isfinite(delta).all()
+    assert torch.all(delta[idx == slots - 1] == 0)
+    assert _rel(delta, ref) < 1e-2
+    split = triton_lora.lora_delta(x, a, b, scale, idx, run_tokens=5)
+    assert _rel(delta, split) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_launch_group_delta_with_slot_ranks_and_a_graph(dtype):
+    """A fused group's deltas (q/k/v at the 1B shape) from the one-launch kernel: each module's columns from its own
+    rows of s, a slot's padding past its rank not read (rank_masks), and a captured graph that follows a new slot mix."""
+    from engine_ext.kernels import KernelSettings, triton_lora
+
+    gen = torch.Generator("cuda").manual_seed(13)
+    t, fin, outs, rank, num_slots = 160, 2048, (2048, 512, 512), 16, 9
+    segments = (0, outs[0], outs[0] + outs[1])
+    a = (torch.randn(num_slots, fin, 3 * rank, generator=gen, device="cuda") * fin**-0.5).to(dtype)
+    b = torch.randn(num_slots, rank, sum(outs), generator=gen, device="cuda").to(dtype)
+    a[-1].zero_(), b[-1].zero_()
+    ranks = torch.tensor([16, 8, 4, 16, 1, 16, 12, 16, 0], dtype=torch.int32, device="cuda")
+    a_cut, b_cut = a.clone(), b.clone()
+    for s, r in enumerate(ranks.tolist()):
+        for seg in range(3):
+            a_cut[s, :, seg * rank + r : (seg + 1) * rank] = 0
+        b_cut[s, r:] = 0
+    scale = torch.rand(num_slots, 3, generator=gen, device="cuda")
+    x = torch.randn(t, fin, generator=gen, device="cuda").to(dtype)
+    slots = torch.randint(0, num_slots, (t // 5,), generator=gen, device="cuda").repeat_interleave(5)
+    st = KernelSettings(delta_programs=264, rank_masks=1)
+    split = triton_lora.group_delta(x, a_cut, b_cut, scale, slots, segments, run_tokens=5)
+    fused = triton_lora.group_delta(x, a, b, scale, slots, segments, ranks, run_tokens=5, settings=st)
+    assert _rel(fused, split) < (1e-5 if dtype == torch.float32 else 1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_lora.group_delta(x, a, b, scale, slots, segments, ranks, run_tokens=5, settings=st)
+    slots.copy_(torch.randint(0, num_slots, (t,), generator=gen, device="cuda"))  # no runs at all now
+    graph.replay()
+    ref = triton_lora.group_delta(x, a_cut, b_cut, scale, slots, segments)
+    assert torch.all(out[slots == num_slots - 1] == 0)
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
