@@ -2,17 +2,14 @@
 (q/k/v, o, gate/up, down) captured in one CUDA graph and replayed, per variant, against the bytes the
 distinct adapters' weights take (the floor at 4.3 TB/s). Prints JSON.
 
-    python bench/lora_kernels.py [--shape llama-3.1-8b] [--delta-programs 264 528]
+    python bench/lora_kernels.py
 Variants: "per-module" (seven shrink+expand pairs per layer), "group" (one shrink+expand pair per
-group), and the beside path's float32 deltas (group_delta, run_tokens as a verify pass's): "split-delta" (the
-split shrink and expand) and "delta-P" (one launch, KernelSettings.delta_programs P). An earlier one-launch
-kernel, each column tile re-reading its adapter's A, was measured slower at decode and removed (`git show
-211e305:bench/RESULTS.md`).
+group). A third, one launch per group (shrink and expand in one kernel, each column tile re-reading
+its adapter's A), was measured slower at every point and removed (`git show 211e305:bench/RESULTS.md`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,20 +18,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import graph_ms  # noqa: E402
-from engine_ext.kernels import KernelSettings, triton_lora  # noqa: E402
+from engine_ext.kernels import triton_lora  # noqa: E402
 
 HBM = 4.3e12
-SHAPES = {"llama-3.2-1b": (2048, 8192, 2048, 512, 16), "llama-3.1-8b": (4096, 14336, 4096, 1024, 32)}
-GROUPS: dict = {}
-LAYERS = 16
-
-
-def set_shape(name):
-    global LAYERS
-    hidden, inter, q, kv, LAYERS = SHAPES[name]
-    GROUPS.clear()
-    GROUPS.update({"qkv": (hidden, (q, kv, kv)), "o": (q, (hidden,)), "gate_up": (hidden, (inter, inter)),
-                   "down": (inter, (hidden,))})
+HIDDEN, INTER, Q, KV, LAYERS = 2048, 8192, 2048, 512, 16
+GROUPS = {"qkv": (HIDDEN, (Q, KV, KV)), "o": (Q, (HIDDEN,)), "gate_up": (HIDDEN, (INTER, INTER)),
+          "down": (INTER, (HIDDEN,))}
 
 
 def stacks(rank, slots, g):
@@ -49,14 +38,11 @@ def stacks(rank, slots, g):
     return out
 
 
-def run_variant(variant, st, xs, ys, idx, settings=None, run_tokens=1):
+def run_variant(variant, st, xs, ys, idx):
     for layer in range(LAYERS):
         for name, (a, b, scale, segs) in st.items():
             x, y = xs[name], ys[name]
-            if settings is not None:  # the beside path's float32 delta
-                triton_lora.group_delta(x, a[layer], b[layer], scale[layer], idx, segs, run_tokens=run_tokens,
-                                        settings=settings)
-            elif variant == "per-module":
+            if variant == "per-module":
                 ends = list(segs[1:]) + [y.shape[1]]
                 r = b.shape[2]
                 for s, (lo, hi) in enumerate(zip(segs, ends)):
@@ -67,33 +53,18 @@ def run_variant(variant, st, xs, ys, idx, settings=None, run_tokens=1):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
-    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--delta-programs", type=int, nargs="*", default=[264, 528, 1056])
-    ap.add_argument("--settings", nargs="*", default=[], help="more delta variants: KernelSettings JSON objects")
-    args = ap.parse_args()
-    set_shape(args.shape)
     g = torch.Generator("cuda").manual_seed(0)
     results = []
-    deltas = {"split-delta": KernelSettings()}
-    deltas.update({f"delta-{p}": KernelSettings(delta_programs=p) for p in args.delta_programs})
-    deltas.update({f"delta-{v}": KernelSettings.from_dict(json.loads(v)) for v in args.settings})
-    for rank in args.ranks:
+    for rank in (16, 64):
         st = stacks(rank, 33, g)
         per_adapter = 2 * rank * LAYERS * sum(fin + sum(outs) for fin, outs in GROUPS.values())
-        for tokens, per_seq in ((32, 1), (40, 5), (160, 5)):
-            idx = (torch.arange(tokens // per_seq, device="cuda") % 32).repeat_interleave(per_seq)
+        for tokens, per_seq in ((32, 1), (160, 5)):
+            idx = torch.arange(32, device="cuda").repeat_interleave(per_seq)
             xs = {n: torch.randn(tokens, fin, device="cuda", generator=g).bfloat16() for n, (fin, _) in GROUPS.items()}
             ys = {n: torch.zeros(tokens, sum(outs), device="cuda").bfloat16() for n, (_, outs) in GROUPS.items()}
-            distinct = min(32, tokens // per_seq)
-            row = {"shape": args.shape, "rank": rank, "tokens": tokens, "per_sequence": per_seq, "distinct": distinct,
-                   "bytes_floor_ms": distinct * per_adapter / HBM * 1e3}
+            row = {"rank": rank, "tokens": tokens, "distinct": 32, "bytes_floor_ms": 32 * per_adapter / HBM * 1e3}
             for variant in ("per-module", "group"):
                 row[variant + "_ms"] = graph_ms(lambda: run_variant(variant, st, xs, ys, idx), 50)
-            for variant, settings in deltas.items():
-                row[variant + "_ms"] = graph_ms(
-                    lambda: run_variant(variant, st, xs, ys, idx, settings, 4 if per_seq > 1 else 1), 50)
             results.append(row)
             print(json.dumps(row), flush=True)
     print(json.dumps(results))

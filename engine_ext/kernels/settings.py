@@ -104,17 +104,6 @@ class KernelSettings:
     shrink_warps: int = 2
     expand_warps: int = 4
     expand_block_n: int = 0  # the expand's column tile; 0: from the rank
-    # ---- the beside path's deltas (lora_delta, group_delta) from one kernel instead of a split shrink and expand:
-    # each program takes a run of one adapter (a verify pass's k + 1 tokens) and a range of output columns, computes
-    # the run's whole shrink (x @ A over all of K, A re-read from L2 by the run's other column ranges) and expands it
-    # over its columns: one launch and no K partials where the split kernels wait on two launches' latency
-    # (bench/RESULTS.md section 1). delta_programs: the programs aimed for (runs x column ranges); 0: the split
-    # kernels. Column tile (at most 8,192 / the group's padded rank), K tile (0: from the rank, as the shrink's) and
-    # warps.
-    delta_programs: int = 0
-    delta_block_n: int = 128
-    delta_block_k: int = 0
-    delta_warps: int = 4
     # ---- the dense (bf16) products of the Triton layer ops (TritonOps.linear): from this many tokens up to 256 they
     # take triton_fp8's split-K GEMM over the weights as they are (launched with the fp8_* settings below) instead of
     # cuBLAS; 0: never. cuBLAS's bf16 products at 160 tokens (a verify pass at batch 32, k = 4) run off their bytes on
@@ -158,14 +147,14 @@ class KernelSettings:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"KernelSettings.{f.name} must be an int, got {value!r}")
         for name in ("attn_warps", "norm_lora_warps", "rope_lora_warps", "silu_lora_warps", "shrink_warps",
-                     "expand_warps", "fp8_warps", "delta_warps"):
+                     "expand_warps", "fp8_warps"):
             _check_pow2(name, getattr(self, name), 1, 32)
         # Tile sides of tl.arange / tl.dot: powers of two, at least 16
         for name in ("attn_block_n", "norm_chunk", "silu_lora_block", "fp8_block_k", "fp8_block_n", "fp8_block_m",
-                     "fp8_gemv_block_n", "delta_block_n"):
+                     "fp8_gemv_block_n"):
             _check_pow2(name, getattr(self, name), 16, 1 << 16)
         for name in ("norm_lora_bk", "silu_lora_sb", "expand_block_n", "attn_rows", "attn_rows_multi",
-                     "fp8_multi_block_k", "fp8_multi_block_n", "delta_block_k"):
+                     "fp8_multi_block_k", "fp8_multi_block_n"):
             if getattr(self, name):
                 _check_pow2(name, getattr(self, name), 16, 1 << 16, zero=True)
         _check_pow2("attn_max_splits", self.attn_max_splits, 1, 256)
@@ -177,7 +166,7 @@ class KernelSettings:
         for name in ("pdl_max_tokens", "fold_decode_tokens", "fold_multi_token_ranks", "fold_multi_token_columns",
                      "fold_multi_layer_columns", "fold_multi_layer_max_rank", "beside_lora_tokens",
                      "beside_multi_token_ranks", "mixed_multi_tokens", "triton_linear_tokens", "fp8_swap_tokens",
-                     "fp8_multi_tokens", "delta_programs"):
+                     "fp8_multi_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"KernelSettings.{name} must be >= 0, got {getattr(self, name)}")
         if self.multi_run_tokens < 1:

@@ -17,8 +17,6 @@ expand: grid (T, cdiv(out, BLOCK_N)); the leader sums the K partials, scales, mu
         stores the fp32 delta itself into a buffer of its own, zero on the zero slot, for a consumer that
         adds it (the fused model adds o's and down's in the next norm kernel, so these launches run on a
         side stream beside the o and down products).
-delta:  (KernelSettings.delta_programs) the stored delta from one launch: grid (T, column ranges); the leader
-        computes its run's shrink over all of K in registers and expands it over its range's column tiles.
 """
 
 from __future__ import annotations
@@ -137,93 +135,6 @@ def _expand_kernel(part_ptr, b_ptr, scale_ptr, slots_ptr, y_ptr, ranks_ptr, T, N
             tl.store(y_ptrs, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _delta_kernel(x_ptr, a_ptr, b_ptr, scale_ptr, slots_ptr, out_ptr, ranks_ptr, T, K, N, RT, R, SEG1, SEG2,
-                  cols_per_program, skip_slot, stride_xt, stride_as, stride_ak, stride_bs, stride_br, stride_ss,
-                  stride_sg, stride_ot, stride_rk,
-                  BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, RANKS: tl.constexpr, ALIGNED: tl.constexpr):
-    """out[run rows, cols] = (x[run] @ A[slot]) * scale @ B[slot] over one column range: the shrink over all of K
-    in registers, then the expand of every column tile of the range (the column's module picks its rows of s:
-    module m's are columns m*R .. (m+1)*R of A, rows 0 .. R of B); zeros on skip_slot's runs."""
-    t = tl.program_id(0)
-    nr = tl.program_id(1)
-    slot, leader, offs_t, rows = _run_rows(slots_ptr, t, T, BLOCK_T)
-    if leader:
-        live = slot != skip_slot
-        offs_r = tl.arange(0, BLOCK_R)
-        seg_r = offs_r // R
-        mr = (offs_r < RT) & (offs_r % R < slot_rank(ranks_ptr, stride_rk, slot, R, RANKS)) & live
-        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-        if live:
-            a_base = a_ptr + slot * stride_as
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mk = offs_k < K
-                xv = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
-                             mask=rows[:, None] & mk[None, :], other=0.0)
-                av = tl.load(a_base + offs_k[:, None] * stride_ak + offs_r[None, :],
-                             mask=mk[:, None] & mr[None, :], other=0.0)
-                if IEEE:
-                    acc += tl.dot(xv, av, input_precision="ieee")
-                else:
-                    acc += tl.dot(xv, av)
-        s = acc * tl.load(scale_ptr + slot * stride_ss + seg_r * stride_sg, mask=mr, other=0.0).to(tl.float32)[None, :]
-        if not IEEE:
-            s = s.to(b_ptr.dtype.element_ty)  # the rank-space product rounded to B's dtype, as the split expand's
-        n_lo = nr * cols_per_program
-        n_hi = tl.minimum(n_lo + cols_per_program, N)
-        b_rows = b_ptr + slot * stride_bs + (offs_r % R)[:, None] * stride_br
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mn = offs_n < n_hi
-            if ALIGNED:  # no tile straddles a module start: one module a tile, a mask along rows only
-                seg_r_n = seg_r[:, None] == _segment(n0 // BLOCK_N, BLOCK_N, SEG1, SEG2)
-            else:
-                seg_r_n = seg_r[:, None] == ((offs_n >= SEG1).to(tl.int32) + (offs_n >= SEG2).to(tl.int32))[None, :]
-            bv = tl.load(b_rows + offs_n[None, :], mask=mr[:, None] & mn[None, :] & seg_r_n, other=0.0)
-            if IEEE:
-                delta = tl.dot(s, bv, input_precision="ieee")
-            else:
-                delta = tl.dot(s, bv)
-            tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_n[None, :], delta,
-                     mask=rows[:, None] & mn[None, :])
-
-
-def _fused_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor,
-                 segments: tuple[int, ...], ranks: torch.Tensor | None, run_tokens: int,
-                 settings: KernelSettings) -> torch.Tensor:
-    """lora_delta / group_delta in one launch (KernelSettings.delta_programs): [T, out_total] float32."""
-    if len(segments) > 3:
-        raise ValueError(f"a fused group has at most 3 modules, got segments {segments}")
-    num_tokens, fan_in = x.shape
-    fan_out, rank, rank_total = b.shape[2], b.shape[1], a.shape[2]
-    out = torch.empty(num_tokens, fan_out, dtype=torch.float32, device=b.device)
-    if not num_tokens:
-        return out
-    block_r = max(16, triton.next_power_of_2(rank_total))
-    block_k = min(settings.delta_block_k or max(32, 8192 // block_r), triton.next_power_of_2(fan_in))
-    # B tiles of at most 8,192 elements (s's rows x the column tile): wide ranks take narrow tiles
-    block_n = min(settings.delta_block_n, max(16, 8192 // block_r), max(16, triton.next_power_of_2(fan_out)))
-    aligned = all(start % block_n == 0 for start in segments[1:])
-    if not aligned:  # the largest tile that no module start splits, while tensor cores take it
-        tile = min(start & -start for start in segments[1:])
-        block_n, aligned = (tile, True) if tile >= 16 else (block_n, False)
-    tiles = triton.cdiv(fan_out, block_n)
-    runs = triton.cdiv(num_tokens, run_tokens)
-    ranges = max(1, min(tiles, triton.cdiv(settings.delta_programs, runs)))
-    cols = triton.cdiv(tiles, ranges) * block_n
-    starts = list(segments[1:]) + [fan_out] * (3 - len(segments))
-    scale2 = scale if scale.dim() == 2 else scale[:, None]
-    _delta_kernel[(num_tokens, triton.cdiv(fan_out, cols))](
-        x, a, b, scale2, slots, out, ranks if ranks is not None else slots, num_tokens, fan_in, fan_out, rank_total,
-        rank, starts[0], starts[1], cols, a.shape[0] - 1, x.stride(0), a.stride(0), a.stride(1), b.stride(0),
-        b.stride(1), scale2.stride(0), scale2.stride(1), out.stride(0), ranks.stride(0) if ranks is not None else 0,
-        BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_N=block_n, IEEE=x.dtype == torch.float32,
-        RANKS=masks_ranks(ranks, settings), ALIGNED=aligned, num_warps=settings.delta_warps)
-    return out
-
-
 def _tile(rank: int, budget: int = 8192) -> tuple[int, int]:
     """(BLOCK_R, the other tile side) with about `budget` fp32 elements per tile (64 registers a thread)."""
     block_r = max(16, triton.next_power_of_2(rank))
@@ -304,8 +215,6 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.T
     to B's dtype, as add_lora_triton computes it; zero on the zero slot), for a consumer that adds it. `ranks`
     ([S] int32): each slot's rank, past which A and B are zero padding and not read; `run_tokens` as lora_shrink's."""
     _check(x, x, a, b)
-    if settings.delta_programs:
-        return _fused_delta(x, a, b, scale, slots, (0,), ranks, run_tokens, settings)
     part = lora_shrink(x, a, slots, a.shape[0] - 1, ranks, run_tokens=run_tokens, settings=settings)
     return expand_delta(part, b, scale, slots, ranks, settings=settings)
 
@@ -316,8 +225,6 @@ def group_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.
     """lora_delta for every module of a fused group (add_lora_group_triton's arguments): [T, out_total] float32,
     module seg's delta in its columns, zero on the zero slot."""
     _check(x, x, a, b)
-    if settings.delta_programs:
-        return _fused_delta(x, a, b, scale, slots, segments, ranks, run_tokens, settings)
     out = torch.empty(x.shape[0], b.shape[2], dtype=torch.float32, device=b.device)
     _group(out, x, a, b, scale, slots, segments, ranks, True, run_tokens, settings)
     return out

@@ -224,14 +224,6 @@ def ranks():
     _close(act, act_ref)
     _close(pd[:, live].sum(0), pd_ref[:, live].sum(0))
     _close(tf.expand_delta(pd, bd, sd, slots, down_ranks, settings=st), tf.expand_delta(pd_ref, bd_cut, sd, slots))
-    # the one-launch deltas of the beside path (KernelSettings.delta_programs): a fused group's and one module's
-    from engine_ext.kernels import triton_lora as tlr
-
-    fused = KernelSettings(rank_masks=1, delta_programs=8, delta_block_n=16)
-    _close(tlr.group_delta(x, aq, bq, sq, slots, (0, qs, qs + kvs), ranks, settings=fused),
-           tlr.group_delta(x, aq_cut, bq_cut, sq, slots, (0, qs, qs + kvs), settings=fused))
-    _close(tlr.lora_delta(gu[:, :inter], ad, bd, sd, slots, down_ranks, settings=fused),
-           tlr.lora_delta(gu[:, :inter], ad_cut, bd_cut, sd, slots, settings=fused))
 
 
 def lora():
@@ -265,11 +257,6 @@ def lora():
             k_tile = min(8192 // max(16, r), triton.next_power_of_2(fin))  # the shrink's K tile (triton_lora._tile)
             assert part.shape[0] == (1 if programs == 1 else -(-fin // k_tile))
             _close(tlr.lora_delta(x, a, b, sc, idx, settings=st) + y0, ref)
-        for programs, block_k in ((1, 0), (64, 32), (1 << 16, 0)):  # one fused shrink-and-expand launch
-            st = KernelSettings(delta_programs=programs, delta_block_n=16, delta_block_k=block_k)
-            delta = tlr.lora_delta(x, a, b, sc, idx, run_tokens=3, settings=st)
-            assert delta.dtype == torch.float32 and torch.all(delta[idx == S - 1] == 0)
-            _close(delta + y0, ref)
     # a fused group's deltas, with 16-aligned module starts (one launch each) and without (one per module)
     for segs, fout in (((0, 32, 48), 64), ((0, 40), 72)):
         t, fin, r, S = 12, 96, 8, 3
@@ -282,11 +269,6 @@ def lora():
         delta = tlr.group_delta(x, a, b, sc, idx, segs, run_tokens=4)
         assert torch.all(delta[idx == S - 1] == 0)
         _close(delta, ref)
-        for programs in (1, 5, 1 << 16):  # the fused kernel: any module starts, one launch
-            fused = tlr.group_delta(x, a, b, sc, idx, segs, run_tokens=4,
-                                    settings=KernelSettings(delta_programs=programs, delta_block_n=16))
-            assert torch.all(fused[idx == S - 1] == 0)
-            _close(fused, ref)
 
 
 def engine():
@@ -355,11 +337,6 @@ def engine():
     TritonOps.group_delta = counted_group
     assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "beside_lora_tokens": 4096}, **kernels) == ref
     assert besides and all(besides) and used  # group_delta for q/k/v and gate/up, lora_delta for o and down
-    besides.clear()
-    # ...with every delta from the one-launch shrink-and-expand kernel
-    assert run(speculative=spec, kernels={"fold_multi_token_ranks": 0, "beside_lora_tokens": 4096,
-                                          "delta_programs": 64, "delta_block_n": 16}, **kernels) == ref
-    assert besides
     besides.clear()
     assert run(speculative=spec, kernels={"fold_multi_token_columns": 1}, **kernels) == ref
     assert besides
