@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -147,10 +148,10 @@ class DecodeGraphs:
 
     def run(self, work: list[SeqWork], slots, use_lora: bool = True, *, tokens: torch.Tensor | None = None,
             token_src: list[int] | None = None, shifts: torch.Tensor | None = None, owned: bool = True,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            started: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of the smallest bucket that holds `work`, queued on the current stream; returns its
         next-token logits [N, vocab] and the positions of the N tokens they follow ([N] long, device).
-        tokens/token_src/shifts: see ModelRunner.run.
+        tokens/token_src/shifts/started: see ModelRunner.launch.
 
         owned=True: float32, a copy the caller keeps. owned=False: the logits are in the model's dtype, a view of
         the graph's output: consume (or clone) them before queuing the next forward. The next replay of this graph
@@ -176,6 +177,8 @@ class DecodeGraphs:
         if self.limits is not None:
             check_packed(host.np_rows, host.np_tables, len(work), num_tokens, num_logits, self.limits,
                          pad_to=bucket, pad_block=self.scratch_block)
+        if started is not None:
+            started()
         self.rows.copy_(host.rows, non_blocking=True)
         self.tables[: len(work) + 1].copy_(host.tables[: len(work) + 1], non_blocking=True)
         host.copied.record()

@@ -94,7 +94,10 @@ class StepExecutor:
 
     # ------------------------------------------------------------ forwards
     def _forward(self, fwd: Forward, run: _Run, kind: str, prev: Forward | None = None) -> None:
-        """Queue one forward and draw its logits rows into the buffer at fwd.out, between two marks (its span).
+        """Queue one forward and draw its logits rows into the buffer at fwd.out, between two marks (its span). A
+        plain step's span starts once its forward is packed (`ModelRunner.launch`'s `started`): plain steps overlap
+        one another, so the packing the device waits for after a cycle is not what a run of them costs; a cycle's
+        packed passes keep it, since every cycle waits for its verify before the next is packed.
         `kind`: "base", "lora" or "plain"; "prompted" when it also computes prompts. `prev`: the forward queued
         just before it in this step; when fwd is prev one position on (`_continues`), the runner queues prev again
         from what it already has on the device rather than from fwd's work packed anew."""
@@ -112,7 +115,8 @@ class StepExecutor:
             logits, positions = self.runner.launch(
                 work, self.slots, use_lora=on, tokens=run.buf if from_buf else None,
                 token_src=src if from_buf else None, owned=False,
-                shifts=run.carry.shift if run.carry is not None else None)
+                shifts=run.carry.shift if run.carry is not None else None,
+                started=self._restart(run) if kind == "plain" else None)
             tokens_in = sum(len(w.token_ids) for w in work)
         self._keep(fwd, run, logits)  # raw rows: logprobs and returned logits are the model's, before adjustments
         tokens = self._sample(fwd, run.seqs, logits, positions)
@@ -209,6 +213,12 @@ class StepExecutor:
         tokens = self._read_after(run, j + 1, idx)
         run.published.update(rows)
         step.first([run.seqs[r] for r in rows], tokens, [run.kept.get(plan.fixed[r][0]) for r in rows])
+
+    def _restart(self, run: _Run):
+        """A callback that moves the opening mark of the forward being queued to the moment it is called."""
+        def restart() -> None:
+            run.marks[-1][0] = self._mark()
+        return restart
 
     def _mark(self):
         if not self.cuda:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -93,7 +94,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool = True, *,
                tokens: torch.Tensor | None = None, token_src: list[int] | None = None,
-               shifts: torch.Tensor | None = None, owned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               shifts: torch.Tensor | None = None, owned: bool = True,
+               started: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue one forward; returns next-token logits [sum(num_logits), vocab] and the positions of the tokens
         they follow ([N] long), both on the device. `use_lora=False`: the base model. Nothing waits for the device:
         the metadata goes up from pinned buffers (staging.py), and adapter copies left pending are issued once the
@@ -106,14 +108,17 @@ class ModelRunner:
         Device-side inputs (batch.apply_sources): token_src, one entry per token of the flat token list (work order),
         where >= 0 takes that token's id from tokens[token_src[t]] ([M] long, on the device) when the forward runs
         (it may be the output of a forward still queued; its id in `work` is then a placeholder); `shifts` ([S]
-        long, on the device) moves the positions of each SeqWork with shift >= 0 by shifts[shift]."""
+        long, on the device) moves the positions of each SeqWork with shift >= 0 by shifts[shift].
+
+        `started`: called once the host has packed the forward, right before its first device work is queued (where
+        a span of the forward's device time starts: the packing is host work)."""
         self._last = None
         if self.graphs is not None and self.graphs.fits(work):
             logits, positions = self.graphs.run(work, slots, use_lora, tokens=tokens, token_src=token_src,
-                                                shifts=shifts, owned=owned)
+                                                shifts=shifts, owned=owned, started=started)
             self._last = "graph"
         else:
-            logits, positions = self._eager(work, slots, use_lora, tokens, token_src, shifts)
+            logits, positions = self._eager(work, slots, use_lora, tokens, token_src, shifts, started)
             if owned:
                 logits = logits.float()
         if self.limits is not None:  # debug mode: what a relaunch must continue (relaunch's `expect`)
@@ -161,7 +166,8 @@ class ModelRunner:
         self._last_work = work
 
     def _eager(self, work: list[SeqWork], slots: AdapterSlots, use_lora: bool, tokens: torch.Tensor | None = None,
-               token_src: list[int] | None = None, shifts: torch.Tensor | None = None):
+               token_src: list[int] | None = None, shifts: torch.Tensor | None = None,
+               started: Callable[[], None] | None = None):
         if self.limits is not None:
             check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
         batch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device, self.limits,
@@ -172,6 +178,8 @@ class ModelRunner:
             lora = LoRABatch.from_slots(self.lora_op, batch.lora_slots, slots, self.group_lora_op)
         if len(work) == len(batch.input_ids):  # one token per sequence: `relaunch` may continue it
             self._last = (batch, lora)
+        if started is not None:
+            started()
         logits = self.model(batch.input_ids, batch.attn, self.kv_caches, batch.logits_indices, lora)
         return logits, batch.attn.positions.index_select(0, batch.logits_indices)
 

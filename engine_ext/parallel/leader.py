@@ -151,14 +151,15 @@ class LeaderRunner(ModelRunner):
                              layout=ShardLayout(spec, 0, config.tensor_parallel_size), comm=self.comm)
 
     def launch(self, work, slots, use_lora: bool = True, *, tokens: torch.Tensor | None = None,
-               token_src: list[int] | None = None, shifts: torch.Tensor | None = None, owned: bool = True):
+               token_src: list[int] | None = None, shifts: torch.Tensor | None = None, owned: bool = True,
+               started=None):
         self.workers.send(Launch(work, use_lora, token_src, _numel(tokens), _numel(shifts)))
         with self.workers.watch():
             for t in (tokens, shifts):
                 if t is not None:
                     self.comm.broadcast(t)
             return super().launch(work, slots, use_lora, tokens=tokens, token_src=token_src, shifts=shifts,
-                                  owned=owned)
+                                  owned=owned, started=started)
 
     def warm_up(self, slots, blocks, max_num_batched_tokens: int) -> dict[str, float]:
         self.workers.send(WarmUp(max_num_batched_tokens))

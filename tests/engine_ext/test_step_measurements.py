@@ -92,3 +92,23 @@ def test_a_pass_span_leaves_out_the_host_work_between_forwards(model, backend):
         assert result.host_s >= gaps * GAP + (sum(spans) if cpu else 0.0)
         if not cpu and i >= 2:
             assert max(spans) < GAP
+
+
+def test_a_plain_steps_span_leaves_out_its_packing_and_a_cycles_first_pass_keeps_it(model, backend, monkeypatch):
+    """Packing a forward (here made to sleep GAP) is host work: in a plain step's span it is not (plain steps overlap
+    one another, so a run of them does not wait for it), while a cycle's packed passes keep it (every cycle waits
+    for its verify before the next is packed: the device idles through it). Relaunched drafting passes pack
+    nothing."""
+    import engine_ext.cuda_graphs as cuda_graphs
+    import engine_ext.model_runner as model_runner
+
+    for module, name in ((model_runner, "build_forward_batch"), (cuda_graphs, "pack_forward")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **kw: (time.sleep(GAP), real(*a, **kw))[1])
+    cpu = backend.get("device", "cpu") == "cpu"
+    plain, _ = observed(model, backend, None)
+    spans = [r.passes[0][3] for _, r, _ in plain if r.passes[0][0] == "plain"]
+    assert spans and max(spans) < GAP
+    cycles, _ = observed(model, backend, SpecConfig(num_draft_tokens=3, gate=False), max_tokens=12)
+    firsts = [r.passes[0][3] for plan, r, _ in cycles if plan.speculate and r.passes[0][0] == "base"]
+    assert firsts and min(firsts) >= GAP * (1.0 if cpu else 0.5)
