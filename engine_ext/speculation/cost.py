@@ -24,6 +24,10 @@ class StepTimes:
         self._tokens: dict[tuple[str, int, int], float] = {}
         self._n: Counter[tuple[str, int, int]] = Counter()
         self._lines: dict[str, dict[int, list[tuple[float, float]]]] = {}  # slope's points, until the next record
+        # `get`'s answers until the next record: a decision prices many cycle lengths from the same few passes, on the
+        # host time of every step
+        self._memo: dict[tuple[str, int, int, bool], float | None] = {}
+        self.records = 0
         # Bumped when a record changes what a cycle is priced at (a plain step does not, once a verify pass is
         # measured): the gate's cache key for draft lengths.
         self.version = 0
@@ -35,6 +39,8 @@ class StepTimes:
         key = (kind, bucket(tokens), bucket(adapters) if adapters else 0)
         self._n[key] += 1
         self._lines.pop(kind, None)
+        self._memo.clear()
+        self.records += 1  # any measurement (what estimates derived from these times are cached against)
         if kind != "plain" or not self._has_lora:
             self.version += 1
         self._has_lora = self._has_lora or kind == "lora"
@@ -57,6 +63,12 @@ class StepTimes:
           scale), unscaled: optimistic for the larger pass it usually prices, so a decision it drives runs that
           pass and measures the missing bucket, where a pessimistic guess would keep the gate from trying it.
         None if this kind was never measured."""
+        memo = (kind, tokens, adapters, exact)
+        if memo not in self._memo:
+            self._memo[memo] = self._get(kind, tokens, adapters, exact)
+        return self._memo[memo]
+
+    def _get(self, kind: str, tokens: int, adapters: int, exact: bool) -> float | None:
         ab = bucket(adapters) if adapters else 0
         tb = bucket(tokens)
         measured = self._t.get((kind, tb, ab))

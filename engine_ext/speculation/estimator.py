@@ -35,6 +35,8 @@ class Estimator:
         self.initial_acceptance = initial_acceptance
         self.acceptance_ema = acceptance_ema
         self.adapters: dict[str, AdapterAcceptance] = {}
+        self._cycles: dict[tuple[int, int, int, int, int], tuple[float, float] | None] = {}  # `cycle`'s answers
+        self._cycles_at = 0  # ... as of this many StepTimes records
 
     # ------------------------------------------------------------ measurements
     def adapter(self, name: str) -> AdapterAcceptance:
@@ -98,6 +100,15 @@ class Estimator:
         """(device, host) seconds of a cycle of n sequences: `passes` drafting passes (reading `riding` adapters)
         and a verify pass of `tokens` tokens over `distinct` adapters; None while a pass kind is unmeasured. Its
         host time, before a cycle's is measured, is at least a plain step's."""
+        if self._cycles_at != self.times.records:
+            self._cycles.clear()
+            self._cycles_at = self.times.records
+        key = (n, passes, tokens, distinct, riding)
+        if key not in self._cycles:
+            self._cycles[key] = self._cycle(n, passes, tokens, distinct, riding)
+        return self._cycles[key]
+
+    def _cycle(self, n: int, passes: int, tokens: int, distinct: int, riding: int) -> tuple[float, float] | None:
         t_base, t_verify = self.times.get("base", n, riding), self.verify(tokens, distinct)
         if t_base is None or t_verify is None:
             return None

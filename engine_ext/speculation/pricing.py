@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from .acceptance import useful_drafts
 
 
@@ -45,11 +43,11 @@ class Batch:
     slowest: tuple[int, ...] | None = None
 
 
-def expected_gains(accs: np.ndarray, lengths: np.ndarray, ride: np.ndarray, passes: int) -> np.ndarray:
-    """Tokens a cycle of `passes` passes yields per adapter sequence: E(a, m), or passes + 1 for a rider."""
-    safe = np.where(accs >= 1.0, 0.5, accs)
-    gains = np.where(accs >= 1.0, lengths + 1.0, (1.0 - safe ** (lengths + 1)) / (1.0 - safe))
-    return np.where(ride, passes + 1.0, gains)
+def expected_gains(accs, lengths, ride, passes: int) -> list[float]:
+    """Tokens a cycle of `passes` passes yields per adapter sequence: E(a, m), or passes + 1 for a rider. (In plain
+    Python: the gate prices every step on the host, and its batches are small where host time counts.)"""
+    return [passes + 1.0 if r else (m + 1.0 if a >= 1.0 else (1.0 - a ** (m + 1)) / (1.0 - a))
+            for a, m, r in zip(accs, lengths, ride)]
 
 
 def cycle_rate(costs: Costs, batch: Batch, lengths: list[int], slowest: bool = True) -> float | None:
@@ -60,11 +58,10 @@ def cycle_rate(costs: Costs, batch: Batch, lengths: list[int], slowest: bool = T
     if parts is None:
         return None
     t_cycle = max(parts)
-    gains = expected_gains(np.array(batch.accs), np.array(lengths), np.array(batch.ride, dtype=bool), passes)
+    gains = expected_gains(batch.accs, lengths, batch.ride, passes)
     if slowest and batch.slowest:
-        left = np.array(batch.slowest, dtype=float)
-        return float(left.sum() / ((left / gains).max() * t_cycle))
-    return float((gains.sum() + batch.num_base * (passes + 1)) / t_cycle)
+        return sum(batch.slowest) / (max(n / g for n, g in zip(batch.slowest, gains)) * t_cycle)
+    return (sum(gains) + batch.num_base * (passes + 1)) / t_cycle
 
 
 def cycle_parts(costs: Costs, batch: Batch, lengths: list[int]) -> tuple[float, float] | None:
