@@ -131,3 +131,21 @@ def test_a_cycle_that_ran_prompts_prices_its_pure_passes_but_not_its_host_time()
     twice(est, cycle_plan(8, 8), StepResult(passes, [], 9e-3), seconds=2e-2)
     assert est.times.get("base", 8, 0) == pytest.approx(1.2e-3) and est.times.get("lora", 40, 8) == 1.63e-3
     assert est.times.get("cycle_host", 8, 0) is None and est.times.get("overhead", 8, 0) is None
+
+
+def test_estimates_answered_from_the_cache_follow_every_new_measurement():
+    """StepTimes.get and Estimator.cycle are cached between measurements (the gate prices every step on the host):
+    each new sample, of any kind, is in the next answer."""
+    est = Estimator()
+    cycle = StepResult([("base", 8, 1, 1.0e-3), ("lora", 16, 1, 2.0e-3)], [], 1.0e-3)
+    twice(est, cycle_plan(8), cycle, seconds=4e-3)
+    before = est.cycle(8, 1, 16, 1, 1)
+    assert before == pytest.approx((3.0e-3, 1.0e-3)) and est.cycle(8, 1, 16, 1, 1) == before
+    est.observe(cycle_plan(8), StepResult([("base", 8, 1, 2.0e-3), ("lora", 16, 1, 2.0e-3)], [], 1.0e-3), 5e-3)
+    assert est.cycle(8, 1, 16, 1, 1)[0] == pytest.approx(3.0e-3 + 0.2 * 1.0e-3)  # the EMA moved the drafting pass
+    # a plain step's host time bounds a cycle's (at most passes + 1 plain steps' host work): a plain sample changes it
+    twice(est, plain_plan(8), StepResult([("plain", 8, 1, 1.0e-3)], [], 0.2e-3), seconds=2e-3)
+    assert est.cycle(8, 1, 16, 1, 1)[1] == pytest.approx(0.4e-3)
+    assert est.times.get("plain", 8, 1) == pytest.approx(1.0e-3)
+    twice(est, plain_plan(8), StepResult([("plain", 8, 1, 1.5e-3)], [], 0.2e-3), seconds=2e-3)
+    assert est.times.get("plain", 8, 1) == pytest.approx(0.8 * (0.8 * 1.0e-3 + 0.2 * 1.5e-3) + 0.2 * 1.5e-3)
