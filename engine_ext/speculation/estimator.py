@@ -6,10 +6,10 @@ time and the host work the device does not hide:
     plain step  max(plain device, plain host)
     cycle       max(M x base + verify, cycle host)      (M drafting passes; host at most M + 1 plain steps')
 Device times are the passes' own spans on the device timeline (a plain step's from its packed forward: runs of plain
-steps hide their packing, cycles do not), kept per pass kind and size (cost.StepTimes); host
-times are the steps' own host work (`StepResult.host_s`), kept per batch size. A step measured without them (a plain
-step with no "plain" pass, or host_s = 0) is priced by its launch-to-launch `seconds`: a plain step at that whole
-time, and the rest of a cycle's `seconds` beyond its passes as an overhead added to its device time."""
+steps hide their packing, cycles do not), kept per pass kind and size (cost.StepTimes); host times are the steps' own
+host work (`StepResult.host_s`), kept per batch size. A step measured without them (a plain step with no "plain" pass,
+or host_s = 0) is priced by its launch-to-launch `seconds`: a plain step at that whole time, and the rest of a cycle's
+`seconds` beyond its passes as an overhead added to its device time."""
 
 from __future__ import annotations
 
