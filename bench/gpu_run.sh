@@ -105,6 +105,21 @@ for step in $STEPS; do
       # LIGHTLOAD_SETS: shape:rank:mix:runs (runs comma-separated); the default is the issue's matrix, more than one
       # 10-minute call holds: run the 1B sets in one call and the 8B set in another
       load_sets lightload "base plain gated" ${LIGHTLOAD_REQUESTS:-160} 30 --gate-trace ${LIGHTLOAD_SETS:-llama-3.2-1b:16:near:poisson:30,poisson:90,burst llama-3.2-1b:16:mixed:poisson:30,poisson:90,burst llama-3.2-1b:64:mixed:gamma:60:4,burst llama-3.1-8b:16:mixed:poisson:10,poisson:25,burst} ;;
+    hostprof)  # where a step's host time goes on this machine (bench/host_profile.py: cProfile over LLMEngine.step at a
+      # fixed batch, base-only, plain, forced k = 4 and gated, 1B; HOSTPROF_BATCHES, HOSTPROF_STEPS)
+      for b in ${HOSTPROF_BATCHES:-8}; do
+        timeout 240 python3 bench/host_profile.py --batch $b --steps ${HOSTPROF_STEPS:-300} --workdir "$BENCH_DIR" \
+          --out "$OUT/host-profile-b$b.jsonl" >/dev/null 2>"$OUT/host-profile-b$b.log"
+        echo "hostprof b$b rc $?"
+        python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    print(d["mode"], "ms/step %.3f wait %.3f host %.3f tokens/step %.1f" % (d["ms_per_step"], d["device_wait_ms_per_step"],
+          d["host_ms_per_step"], d["tokens_per_step"]))
+    for r in d["top_own"][:12]:
+        print("   own %8.1f us %6.2f calls  %s" % (r["own_us_per_step"], r["calls_per_step"], r["fn"]))' "$OUT/host-profile-b$b.jsonl"
+        pack
+      done ;;
     fp8load)  # issue 40, point 3: open-loop bursts at 8B with bf16 and with FP8 base weights, base-only, plain and
       # gated on identical traffic, one engine each (FP8LOAD_SETS as LIGHTLOAD_SETS; the FP8 engine quantizes the same
       # weights at load, so the two share one work dir)
