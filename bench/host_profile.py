@@ -2,8 +2,9 @@
 each mode on the same engine (base-only, plain multi-LoRA, forced k-draft cycles, the gate), profiled with cProfile.
 Per mode: wall ms a step and, of it, the host's wait for the device (`device_wait_s`: the loop ran ahead of it),
 timed without the profiler; then, over as many steps profiled, the functions with the most own time (tottime) and
-the engine's own functions with the most time under them (cumtime), per step (the profiler's overhead included). On a GPU the model is the random 1B (or --shape) model with a peaked base (drafts accepted),
-built like bench/decode.py's, with the deployment's CUDA settings; without one, the tiny random model on the CPU.
+the engine's own functions with the most time under them (cumtime), per step (the profiler's overhead included).
+On a GPU the model is the random 1B (or --shape) model with a peaked base (drafts accepted), built like
+bench/decode.py's, with its CUDA settings; without one, the tiny random model on the CPU.
 
     python bench/host_profile.py --batch 8 --modes base plain forced gated --steps 300
     python bench/host_profile.py --stub-forward   # (CPU) the model's forward returns zero logits at once: the

@@ -336,8 +336,8 @@ class GateTrace:
     (device, host) seconds and the plain step's, and both rates. Wraps policy.decide while a run lasts; the engine
     is unchanged. `summary()` groups the decisions by batch size; `table(engine)` is the estimator's pass times;
     `steps()` what the steps it read really took (Estimator.observe wrapped likewise): per kind (a prompt-free cycle,
-    a plain step of decoding rows) and batch size bucket, the median device seconds (its passes' spans), host seconds
-    and launch-to-launch seconds, so a cycle's time beyond max(device, host) shows."""
+    a plain step of decoding rows) and batch size bucket, the median device seconds (its passes' spans), host seconds,
+    launch-to-launch seconds and period (StepResult.period_s), so a step's time beyond max(device, host) shows."""
 
     def __init__(self, limit: int = 400):
         self.limit, self.rows, self._orig = limit, [], None
@@ -376,7 +376,7 @@ class GateTrace:
             kind = "cycle" if plan.speculate else "plain"
             if "prompted" not in kinds and (plan.speculate or plan.decoding == len(plan.seqs)):
                 self.observed.append((kind, len(plan.seqs), sum(p[3] for p in result.passes), result.host_s,
-                                      seconds))
+                                      seconds, getattr(result, "period_s", 0.0)))
             return observe(est, plan, result, seconds, timed)
 
         Estimator.observe = observed
@@ -391,11 +391,12 @@ class GateTrace:
 
     def steps(self) -> list[dict]:
         groups: dict[tuple[str, int], list[tuple]] = {}
-        for kind, n, dev, host, secs in self.observed:
-            groups.setdefault((kind, 1 << max(0, (n - 1).bit_length())), []).append((dev, host, secs))
-        med = lambda v: round(sorted(v)[len(v) // 2] * 1e3, 3)  # noqa: E731
+        for kind, n, dev, host, secs, period in self.observed:
+            groups.setdefault((kind, 1 << max(0, (n - 1).bit_length())), []).append((dev, host, secs, period))
+        med = lambda v: round(sorted(v)[len(v) // 2] * 1e3, 3) if v else None  # noqa: E731
         return [{"kind": k, "size_bucket": b, "count": len(v), "device_ms": med([x[0] for x in v]),
-                 "host_ms": med([x[1] for x in v]), "seconds_ms": med([x[2] for x in v])}
+                 "host_ms": med([x[1] for x in v]), "seconds_ms": med([x[2] for x in v]),
+                 "period_ms": med([x[3] for x in v if x[3] > 0])}
                 for (k, b), v in sorted(groups.items())]
 
     def summary(self) -> list[dict]:

@@ -266,7 +266,8 @@ class StepExecutor:
                       run.passes, run.kept, [int(r in run.published) for r in range(len(run.seqs))],
                       drafts=[len(d) for d in plan.drafts], commits=commits, counted=counts is not None,
                       adjusts=any(s.adjusts_logits for s in run.seqs), computed=dict(run.computed),
-                      wait_s=run.wait_s)
+                      wait_s=run.wait_s, after=run.carry.marks[-1][1] if run.carry is not None and run.carry.marks
+                      else None)
 
     def _verified(self, plan: StepPlan, run: _Run):
         """(tokens [R, L], counts [R], last [R], shift [R] or None) on the device: each row's fixed tokens, then

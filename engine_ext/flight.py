@@ -46,6 +46,7 @@ class Flight:
     computed: dict[int, int] = field(default_factory=dict)  # row -> positions whose KV it queued (its prompt's)
     wait_s: float = 0.0  # host seconds blocked on the device while it was queued (between passes, first tokens)
     host_s: float = 0.0  # host seconds the engine spent queueing it (scheduling, planning, launching), waits excluded
+    after: object = None  # the end mark of the step queued before it, when that one was still queued (else None)
 
     def pending(self, r: int) -> tuple[int, int]:
         """(at least, at most) the tokens row r commits when read, beyond those committed early (`published`)."""
@@ -67,6 +68,14 @@ class Flight:
         if self.marks and isinstance(self.marks[0][0], float):
             return [b - a for a, b in self.marks]
         return [a.elapsed_time(b) / 1e3 for a, b in self.marks]
+
+    def period(self) -> float:
+        """Seconds from the end of the step before it (`after`) to its own end (after `read`): on a GPU, the device
+        timeline's, its idle time waiting for this step's launch included; 0.0 without a step before it."""
+        if self.after is None or not self.marks:
+            return 0.0
+        end = self.marks[-1][1]
+        return end - self.after if isinstance(end, float) else self.after.elapsed_time(end) / 1e3
 
     def logits_rows(self, r: int, first: int, count: int) -> list[torch.Tensor | None]:
         """The kept logits rows of row r's committed tokens first .. first + count - 1 (None where not kept)."""

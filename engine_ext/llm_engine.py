@@ -295,7 +295,7 @@ class LLMEngine:
         seconds = (queued.launched if queued is not None else time.perf_counter()) - flight.launched
         passes = [(k, t, a, span) for (k, t, a), span in zip(flight.passes, flight.spans())]
         host_s = flight.host_s + time.perf_counter() - began - waited
-        self.gate.observe(plan, StepResult(passes, verifies, host_s), seconds)
+        self.gate.observe(plan, StepResult(passes, verifies, host_s, flight.period()), seconds)
         self._read_s += time.perf_counter() - began
         return outputs
 

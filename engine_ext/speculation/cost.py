@@ -2,8 +2,9 @@
 
 Kinds: "plain" (a plain step's forward on the device, or, measured without its span, the whole step launch to
 launch), "base" (one LoRA-off drafting pass), "lora" (one adapter-on verify pass), "plain_host" and "cycle_host"
-(a step's own host work, by batch size) and "overhead" (a cycle measured without host time: the rest of its step
-beyond its passes). A pass that also ran prompts ("prompted") is not recorded."""
+(a step's own host work, by batch size), "plain_gap" and "cycle_gap" (a step's period in a run of its kind beyond the
+larger of its device and host time, by batch size; signed) and "overhead" (a cycle measured without host
+time: the rest of its step beyond its passes). A pass that also ran prompts ("prompted") is not recorded."""
 
 from __future__ import annotations
 
@@ -28,10 +29,6 @@ class StepTimes:
         # host time of every step
         self._memo: dict[tuple[str, int, int, bool], float | None] = {}
         self.records = 0
-        # Bumped when a record changes what a cycle is priced at (a plain step does not, once a verify pass is
-        # measured): the gate's cache key for draft lengths.
-        self.version = 0
-        self._has_lora = False
 
     def record(self, kind: str, tokens: int, adapters: int, seconds: float, replace: bool = False) -> None:
         """One measured pass. `replace`: a re-measure, which takes the place of what the bucket held (measured
@@ -41,9 +38,6 @@ class StepTimes:
         self._lines.pop(kind, None)
         self._memo.clear()
         self.records += 1  # any measurement (what estimates derived from these times are cached against)
-        if kind != "plain" or not self._has_lora:
-            self.version += 1
-        self._has_lora = self._has_lora or kind == "lora"
         old = self._t.get(key)
         # The second sample at a shape replaces the first, which may carry one-off costs (kernel selection,
         # first-touch memory); later ones are averaged in.

@@ -56,11 +56,14 @@ class StepResult:
     plain step's one forward, "base" / "lora" / "prompted" for a cycle's. Device seconds are the forward's own span
     on the device timeline (CUDA events around it; on a CPU, where forwards are synchronous, its wall time).
     `host_s`: the host's own work for the step (scheduling, packing, launching, reading), device waits excluded;
-    in the overlapped loop a step costs about max(device, host)."""
+    in the overlapped loop a step costs about max(device, host). `period_s`: what the loop spent on it, idle
+    included: from the end of the step before it (queued when it was) to its own end, on the device timeline (0:
+    not measured, as when the step before had been read first)."""
 
     passes: list[tuple[str, int, int, float]] = field(default_factory=list)  # (kind, tokens, adapters, seconds)
     verifies: list[tuple[str, int, int]] = field(default_factory=list)  # (adapter, drafted, accepted)
     host_s: float = 0.0
+    period_s: float = 0.0
 
 
 class NoSpeculation:

@@ -3,7 +3,8 @@
 A cycle that drafts m tokens for a sequence whose drafts are accepted with probability a yields
 E(a, m) = (1 - a^(m+1)) / (1 - a) tokens. In the overlapped loop it costs max(device, host): its device time is
 M = max m base-only passes plus one adapter-on verify pass over sum(m + 1) tokens, its host time the cycle's host
-work, paid once whatever its length. A plain step gives one token per sequence at max(plain device, plain host).
+work, paid once whatever its length (each with the run's gap: estimator.Estimator). A plain step gives one token per
+sequence at max(plain device, plain host) + its gap.
 Riders decode in every pass: M + 1 tokens a cycle."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A deterministic simulator of the engine's overlapped step loop, for the gate: it drives a plan source (Gate,
 NoSpeculation) through Gate.plan / Gate.observe as LLMEngine.step does, on a simulated clock, and feeds it the
-StepResults the engine measures (each pass's device span, the step's host work, launch-to-launch seconds).
+StepResults the engine measures (each pass's device span, the step's host work and period, launch-to-launch
+seconds).
 
 The loop, as the engine runs it: a step is scheduled and launched (half of its host work), then the step before it
 is read (the device waited for, the other half), then the next step starts. The device runs a step's passes back
@@ -37,6 +38,7 @@ class LoopCosts:
     host_cycle: float = 2.0
     host_per_pass: float = 0.1
     prompt_token: float = 0.004
+    cycle_idle: float = 0.0  # device time a cycle loses outside its passes' spans (between passes, before the next)
 
     def _at(self, values, n: int) -> float:
         return float(np.interp(n, self.batches, values))
@@ -192,9 +194,9 @@ class _Sim:
 
 
 def simulate(gate, costs: LoopCosts, traffic: Traffic, seed: int = 0, noise: float = 0.03,
-             legacy: bool = False) -> Run:
+             legacy: bool = False, periods: bool = True) -> Run:
     """Drive `gate` over `traffic` in the overlapped loop until every request is done. `legacy`: measure steps as
-    the engine did before device spans and host time (no "plain" pass, host_s = 0)."""
+    the engine did before device spans and host time (no "plain" pass, host_s = 0); `periods` False: nor periods."""
     sim = _Sim(gate, costs, traffic, seed, noise, legacy)
     t, dev_free, queued = 0.0, 0.0, None  # queued: (plan, result, launched at, device done at, host to read)
     while sim.arrivals or sim.running or queued:
@@ -207,7 +209,10 @@ def simulate(gate, costs: LoopCosts, traffic: Traffic, seed: int = 0, noise: flo
             _count(sim.run, gate, plan)
             device, host, result = sim.launch(plan)
             t += host / 2
-            dev_free = max(t, dev_free) + device
+            idle = costs.cycle_idle * 1e-3 if plan.speculate else 0.0
+            before, dev_free = dev_free, max(t, dev_free) + device + idle
+            if queued is not None and periods and not legacy:  # the step before is still queued: a period
+                result.period_s = dev_free - before
             sim.run.note(plan.seqs, dev_free)
             step = (plan, result, launched, dev_free, host / 2)
         if queued is not None:

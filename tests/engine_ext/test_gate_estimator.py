@@ -149,3 +149,33 @@ def test_estimates_answered_from_the_cache_follow_every_new_measurement():
     assert est.times.get("plain", 8, 1) == pytest.approx(1.0e-3)
     twice(est, plain_plan(8), StepResult([("plain", 8, 1, 1.5e-3)], [], 0.2e-3), seconds=2e-3)
     assert est.times.get("plain", 8, 1) == pytest.approx(0.8 * (0.8 * 1.0e-3 + 0.2 * 1.5e-3) + 0.2 * 1.5e-3)
+
+
+def test_a_run_of_cycles_pays_the_loops_gap_beyond_its_device_and_host_time():
+    """A cycle read right after a cycle adds its period beyond max(device, host) to the price of cycles of its size
+    (device time lost outside its passes' spans: 0.7 ms here); a cycle after a plain step (a switch of kinds) or
+    without a period adds nothing, and a period short of max(device, host) (a host-bound cycle, noise) lowers the
+    estimate without taking it below zero."""
+    passes = [("base", 8, 0, 1.2e-3)] * 4 + [("lora", 40, 8, 1.63e-3)]
+    device = 4 * 1.2e-3 + 1.63e-3
+    est = Estimator()
+    twice(est, plain_plan(8), StepResult([("plain", 8, 1, 1.4e-3)], [], 1.0e-3, 1.4e-3), seconds=1.4e-3)
+    est.observe(cycle_plan(8, 8), StepResult(passes, [], 2.2e-3, device + 0.7e-3), seconds=1e-2)  # after a plain
+    est.observe(cycle_plan(8, 8), StepResult(passes, [], 2.2e-3), seconds=1e-2)  # no period
+    assert est.cycle(8, 4, 40, 8, 0) == pytest.approx((device, 2.2e-3))
+    twice(est, cycle_plan(8, 8), StepResult(passes, [], 2.2e-3, device + 0.7e-3), seconds=1e-2)
+    assert est.cycle(8, 4, 40, 8, 0) == pytest.approx((device + 0.7e-3, 2.2e-3 + 0.7e-3))
+    est.observe(cycle_plan(8, 8), StepResult(passes, [], 2.2e-3, device - 0.3e-3), seconds=1e-2)
+    assert est.cycle(8, 4, 40, 8, 0)[0] == pytest.approx(device + 0.8 * 0.7e-3 - 0.2 * 0.3e-3)
+    for _ in range(20):
+        est.observe(cycle_plan(8, 8), StepResult(passes, [], 2.2e-3, device - 0.3e-3), seconds=1e-2)
+    assert est.cycle(8, 4, 40, 8, 0)[0] == pytest.approx(device)
+
+
+def test_a_run_of_plain_steps_pays_the_loops_gap():
+    est = Estimator()
+    twice(est, plain_plan(8), StepResult([("plain", 8, 1, 1.4e-3)], [], 1.0e-3, 1.9e-3), seconds=1.9e-3)
+    assert est.plain(8, 1) == pytest.approx(1.9e-3)  # the device's 1.4 ms and 0.5 ms of it idle
+    est.observe(cycle_plan(8), StepResult([("base", 8, 0, 1.2e-3), ("lora", 16, 1, 1.5e-3)], [], 1e-3, 2.7e-3), 3e-3)
+    est.observe(plain_plan(8), StepResult([("plain", 8, 1, 1.4e-3)], [], 1.0e-3, 9e-3), seconds=9e-3)  # after a cycle
+    assert est.plain(8, 1) == pytest.approx(1.9e-3)

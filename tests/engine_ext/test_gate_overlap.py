@@ -3,6 +3,8 @@ host work from the H200's tables at 1B rank 16, StepResults as the engine measur
 accepted (near adapters) nearly every decode step is a cycle, with drafts that are rejected nearly every one is plain,
 and in between the gate's TPOT is that of the better of plain steps and forced drafting."""
 
+import dataclasses
+
 import pytest
 
 from engine_ext import SpecConfig
@@ -36,6 +38,25 @@ def test_accepted_drafts_at_light_load_run_cycles(acceptance):
 def test_accepted_drafts_run_cycles_when_the_device_bounds_the_loop():
     run = gated(H200_1B_R16_FAST_HOST, 1.0)
     assert run.cycle_share >= 0.9, (run.cycle_share, dict(run.decisions))
+
+
+@pytest.mark.parametrize("idle", [0.3, 1.0, 2.0])
+def test_a_cycle_that_loses_device_time_outside_its_passes_is_priced_with_it(idle):
+    """Device time a cycle spends outside its passes' spans (sampling and verification between them, waiting for
+    the next cycle's launch) shows in its period, from the end of the cycle before it to its own end: priced with
+    it, the gate's TPOT is the better of plain steps' and forced drafting's whatever a cycle loses (at 0.3 ms
+    cycles still win, from 1 ms on plain does). Priced from their spans alone (no periods measured), the gate
+    keeps running cycles that lose 2 ms each and decodes slower than plain."""
+    costs = dataclasses.replace(H200_1B_R16_FAST_HOST, cycle_idle=idle)
+    plain = simulate(NoSpeculation(), costs, traffic(1.0))
+    forced = simulate(Gate(SpecConfig(num_draft_tokens=4, gate=False)), costs, traffic(1.0))
+    run = gated(costs, 1.0)
+    assert run.tpot() <= 1.03 * min(plain.tpot(), forced.tpot()), (run.tpot(), plain.tpot(), forced.tpot())
+    if idle >= 1.0:
+        assert run.cycle_share <= 0.2, (run.cycle_share, dict(run.decisions))
+    if idle == 2.0:
+        spans_only = simulate(Gate(SpecConfig(num_draft_tokens=4)), costs, traffic(1.0), periods=False)
+        assert spans_only.cycle_share >= 0.8 and spans_only.tpot() > 1.1 * plain.tpot()
 
 
 @pytest.mark.parametrize("acceptance", [0.0, 0.3])

@@ -112,3 +112,19 @@ def test_a_plain_steps_span_leaves_out_its_packing_and_a_cycles_first_pass_keeps
     cycles, _ = observed(model, backend, SpecConfig(num_draft_tokens=3, gate=False), max_tokens=12)
     firsts = [r.passes[0][3] for plan, r, _ in cycles if plan.speculate and r.passes[0][0] == "base"]
     assert firsts and min(firsts) >= GAP * (1.0 if cpu else 0.5)
+
+
+def test_a_step_queued_behind_another_reports_its_period(model, backend):
+    """`period_s`: from the end of the step queued before it to its own end, what the loop spent on it: every
+    forward of it and what the device waited for in between (here the arrivals callback's sleep, GAP before each
+    of a cycle's forwards but the first), so at least its spans and those waits. The first step, queued behind
+    none, reports none."""
+    cpu = backend.get("device", "cpu") == "cpu"
+    seen, _ = observed(model, backend, SpecConfig(num_draft_tokens=3, gate=False),
+                       StepContext(arrivals=lambda: time.sleep(GAP)), max_tokens=12)
+    assert seen[0][1].period_s == 0.0
+    timed = [(plan, r) for plan, r, _ in seen[1:] if r.period_s > 0]
+    assert len(timed) >= len(seen) // 2, [r.period_s for _, r, _ in seen]
+    for plan, r in timed:
+        waits = (len(r.passes) - 1) * GAP if plan.passes >= 2 else 0.0
+        assert r.period_s >= sum(p[3] for p in r.passes) * (1.0 if cpu else 0.9) + waits * (1.0 if cpu else 0.5)
