@@ -36,13 +36,11 @@ MODES = ("bare", "thread", "process")
 def stubbed_engine(config):
     """The core's engine, its forward returning zero logits for the rows asked for (a[3]: the logits indices):
     the factory a core process imports by name (AsyncLLMEngine's engine_factory)."""
-    import torch
-
+    from bench.common import zero_logits_forward
     from engine_ext import LLMEngine
 
     engine = LLMEngine(config, detokenize=False)
-    vocab, fixed = engine.runner.spec.vocab_size, {}
-    engine.runner.model.forward = lambda *a, **kw: fixed.setdefault(a[3].shape[0], torch.zeros(a[3].shape[0], vocab))
+    engine.runner.model.forward = zero_logits_forward(engine.runner.spec.vocab_size)
     return engine
 
 

@@ -83,6 +83,22 @@ def build_random_adapter(out_dir: str, shape: str, rank: int, seed: int, scale: 
     return out_dir
 
 
+def zero_logits_forward(vocab: int):
+    """A stand-in for the model's forward: zero logits for the rows asked for (its 4th argument, the logits
+    indices), returned at once, one tensor per row count made on first use, so that a step's time is its host
+    work alone."""
+    fixed: dict[int, torch.Tensor] = {}
+
+    def forward(*a, **kw) -> torch.Tensor:
+        n = a[3].shape[0]
+        out = fixed.get(n)
+        if out is None:
+            out = fixed[n] = torch.zeros(n, vocab)
+        return out
+
+    return forward
+
+
 def measure_decode(engine, prompts: list[list[int]], adapters: list[str | None], max_tokens: int, params_cls,
                    warmup_steps: int = 3) -> dict:
     """Decode throughput after the prefill: tokens/s and per-step (inter-token) latency percentiles."""

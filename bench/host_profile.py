@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import build_random_adapter, build_random_model  # noqa: E402
+from bench.common import build_random_adapter, build_random_model, zero_logits_forward  # noqa: E402
 from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,8 +60,7 @@ def stub_forward(engine: LLMEngine) -> None:
     """The model's forward replaced by zero logits for the rows asked for (its 4th argument: the logits indices)."""
     if engine.device.type != "cpu":
         raise SystemExit("--stub-forward is for the CPU (a GPU's forwards replay CUDA graphs)")
-    vocab, fixed = engine.runner.spec.vocab_size, {}
-    engine.runner.model.forward = lambda *a, **kw: fixed.setdefault(a[3].shape[0], torch.zeros(a[3].shape[0], vocab))
+    engine.runner.model.forward = zero_logits_forward(engine.runner.spec.vocab_size)
 
 
 def profile_mode(engine: LLMEngine, mode: str, args) -> dict:

@@ -45,6 +45,7 @@ def main() -> None:
 
     import torch
 
+    from bench.common import zero_logits_forward
     from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
     from tiny_models import build_adapter, build_model
 
@@ -81,14 +82,11 @@ def main() -> None:
         forward = [0.0]
         run = engine.runner.model.forward
 
-        vocab, fixed = engine.runner.spec.vocab_size, {}
+        stub = zero_logits_forward(engine.runner.spec.vocab_size)
 
         def timed(*a, **kw):
             start = time.perf_counter()
-            if args.stub_forward:  # the logits rows asked for (a[3]: the logits indices), zeros
-                out = fixed.setdefault(a[3].shape[0], torch.zeros(a[3].shape[0], vocab))
-            else:
-                out = run(*a, **kw)
+            out = (stub if args.stub_forward else run)(*a, **kw)
             forward[0] += time.perf_counter() - start
             return out
 
