@@ -68,7 +68,7 @@ class StepExecutor:
         buf = torch.empty(c + (step.passes + self.max_drafts + 2) * self.width, dtype=torch.long, device=self.device)
         if carry is not None:
             buf[:c] = carry.last
-        run = _Run(list(step.seqs), carry, buf, c)
+        run = _Run(list(step.seqs), carry, buf, c, stream=torch.cuda.current_stream(self.device) if self.cuda else None)
         for j in range(step.passes):
             if j and step.join is not None:
                 self._between(step, planner, run, j)
@@ -103,7 +103,7 @@ class StepExecutor:
         from what it already has on the device rather than from fwd's work packed anew."""
         if prev is not None and self._continues(prev, fwd):
             expect = self._works(fwd, run)[0] if self.runner.limits is not None else None  # debug: checked
-            run.marks.append([self._mark(), None])
+            run.marks.append([self._mark(run), None])
             logits, positions = self.runner.relaunch(self.slots, run.buf, run.c + prev.out, owned=False,
                                                      expect=expect)
             tokens_in = len(fwd.entries)
@@ -111,7 +111,7 @@ class StepExecutor:
             work, src = self._works(fwd, run)
             on = any(e.lora and run.seqs[e.row].adapter is not None for e in fwd.entries)
             from_buf = any(s >= 0 for s in src)  # (else no token of it is read from the device)
-            run.marks.append([self._mark(), None])
+            run.marks.append([self._mark(run), None])
             logits, positions = self.runner.launch(
                 work, self.slots, use_lora=on, tokens=run.buf if from_buf else None,
                 token_src=src if from_buf else None, owned=False,
@@ -121,7 +121,7 @@ class StepExecutor:
         self._keep(fwd, run, logits)  # raw rows: logprobs and returned logits are the model's, before adjustments
         tokens = self._sample(fwd, run.seqs, logits, positions)
         run.buf[run.c + fwd.out : run.c + fwd.out + len(tokens)] = tokens
-        run.marks[-1][1] = self._mark()
+        run.marks[-1][1] = self._mark(run)
         kind = "prompted" if any(e.prompt for e in fwd.entries) else kind
         read = {run.seqs[e.row].adapter for e in fwd.entries if e.lora} - {None}
         run.passes.append((kind, tokens_in, len(read)))
@@ -217,14 +217,14 @@ class StepExecutor:
     def _restart(self, run: _Run):
         """A callback that moves the opening mark of the forward being queued to the moment it is called."""
         def restart() -> None:
-            run.marks[-1][0] = self._mark()
+            run.marks[-1][0] = self._mark(run)
         return restart
 
-    def _mark(self):
+    def _mark(self, run: _Run):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(run.stream)  # (without it, each record looks the current stream up: tens of us of host time)
         return event
 
     @staticmethod
@@ -260,7 +260,7 @@ class StepExecutor:
             tokens, counts, shift = last[:, None], None, None
         else:
             tokens, counts, last, shift = self._verified(plan, run)
-        host, ready = self._to_host(tokens if counts is None else torch.cat([tokens, counts[:, None]], dim=1))
+        host, ready = self._to_host(tokens if counts is None else torch.cat([tokens, counts[:, None]], dim=1), run)
         lo = [len(f) + (len(v) > 0) for f, v in zip(plan.fixed, plan.verified)]
         return Flight(run.seqs, plan, lo, [len(o) for o in commits], last, shift, host, ready, run.marks,
                       run.passes, run.kept, [int(r in run.published) for r in range(len(run.seqs))],
@@ -293,14 +293,14 @@ class StepExecutor:
         lanes = torch.from_numpy(table)
         return lanes.pin_memory().to(self.device, non_blocking=True) if self.cuda else lanes
 
-    def _to_host(self, result: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _to_host(self, result: torch.Tensor, run: _Run) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A host copy of `result` (pinned, queued after everything before it) and the event that says it landed."""
         if not self.cuda:
             return result, None
         host = torch.empty(result.shape, dtype=torch.long, pin_memory=True)
         host.copy_(result, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(run.stream)
         return host, ready
 
 
@@ -321,6 +321,7 @@ class _Run:
     published: set = field(default_factory=set)
     computed: dict = field(default_factory=dict)
     wait_s: float = 0.0
+    stream: torch.cuda.Stream | None = None  # the stream its forwards are queued on (on a GPU), where its marks go
 
 
 @dataclass
