@@ -65,20 +65,22 @@ class Flight:
         """Seconds of each forward (after `read`), from its start mark to its end mark: on a GPU its own stretch of
         the device timeline (the host's work between forwards is outside it); on a CPU, where a forward runs on the
         host as it is queued, its wall time."""
-        if self.marks and isinstance(self.marks[0][0], float):
-            return [b - a for a, b in self.marks]
-        return [a.elapsed_time(b) / 1e3 for a, b in self.marks]
+        return [_seconds(a, b) for a, b in self.marks]
 
     def period(self) -> float:
         """Seconds from the end of the step before it (`after`) to its own end (after `read`): on a GPU, the device
         timeline's, its idle time waiting for this step's launch included; 0.0 without a step before it."""
         if self.after is None or not self.marks:
             return 0.0
-        end = self.marks[-1][1]
-        return end - self.after if isinstance(end, float) else self.after.elapsed_time(end) / 1e3
+        return _seconds(self.after, self.marks[-1][1])
 
     def logits_rows(self, r: int, first: int, count: int) -> list[torch.Tensor | None]:
         """The kept logits rows of row r's committed tokens first .. first + count - 1 (None where not kept)."""
         if not self.kept:
             return [None] * count
         return [self.kept.get(i) for i in self.commits[r][first : first + count]]
+
+
+def _seconds(a, b) -> float:
+    """Seconds from mark a to mark b: perf_counter readings on a CPU, recorded CUDA events on a GPU."""
+    return b - a if isinstance(b, float) else a.elapsed_time(b) / 1e3
