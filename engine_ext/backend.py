@@ -8,7 +8,9 @@ the config's KernelSettings):
 - attn_backend: paged attention;
 - layer_ops: the decoder layer's element-wise work (norms, rotary + KV write, SiLU); "triton" fuses it and,
   with lora_backend "triton" too, folds the LoRA math of graph-sized forwards (decode steps, drafting and verify
-  passes) into the same kernels;
+  passes) into the same kernels. It also picks the forward's metadata fix-ups on the device (batch.MetadataOps:
+  apply_sources and advance_forward), one Triton launch each (kernels/triton_metadata.py) instead of a dozen
+  small torch ops;
 - quantization: the decoder layers' product weights, dense or FP8 (quantization.py); FP8 products run the W8A16
   GEMM of kernels/triton_fp8.py with layer_ops "triton", else the plain-torch reference.
 """
@@ -21,6 +23,7 @@ from functools import partial
 
 import torch
 
+from .batch import TORCH_METADATA, MetadataOps
 from .config import EngineConfig
 from .lora_ops import LoRAOp, get_lora_op
 from .model import LayerOps, TorchOps
@@ -38,6 +41,7 @@ class Backend:
     # The decoder layers' product weights (quantization.py): dense (layer_ops.linear), or FP8 with its matmul, refused
     # here on a GPU without FP8 support
     weights: WeightFormat
+    metadata: MetadataOps  # the packed metadata's fix-ups on the device (apply_sources, advance_forward)
 
     @classmethod
     def from_config(cls, config: EngineConfig, device: torch.device) -> Backend:
@@ -59,14 +63,17 @@ class Backend:
 
             attention = partial(paged_attention_triton, settings=settings)
         layer_ops: LayerOps = TorchOps()
+        metadata = TORCH_METADATA
         if config.layer_ops == "triton":
             from .kernels.triton_fused import TritonOps
+            from .kernels.triton_metadata import advance_forward_triton, apply_sources_triton
 
             layer_ops = TritonOps(settings, device)
+            metadata = MetadataOps(apply_sources_triton, advance_forward_triton)
         fp8_matmul = None
         if config.quantization == "fp8" and config.layer_ops == "triton":
             from .kernels.triton_fp8 import fp8_linear_triton
 
             fp8_matmul = partial(fp8_linear_triton, settings=settings)
         weights = weight_format(config.quantization, device, layer_ops.linear, fp8_matmul)
-        return cls(layer_ops, lora_op, group_lora_op, attention, weights)
+        return cls(layer_ops, lora_op, group_lora_op, attention, weights, metadata)

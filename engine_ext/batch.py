@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,19 @@ def advance_forward(ids: torch.Tensor, positions: torch.Tensor, kv_slots: torch.
     kv_slots.copy_(tables[token_seq, positions // block_size] * block_size + positions % block_size)
 
 
+@dataclass(frozen=True)
+class MetadataOps:
+    """The in-place fix-ups of a forward's packed metadata on the device, chosen once from the EngineConfig
+    (backend.Backend.metadata): these torch references (any device), or kernels/triton_metadata.py's one launch each
+    with layer_ops "triton"."""
+
+    apply_sources: Callable[..., None] = apply_sources
+    advance_forward: Callable[..., None] = advance_forward
+
+
+TORCH_METADATA = MetadataOps()
+
+
 @dataclass
 class ForwardBatch:
     """One eager forward's metadata on the device: views of one packed [NUM_ROWS, T rounded up to 16] tensor."""
@@ -165,11 +179,12 @@ class ForwardBatch:
 
 def build_forward_batch(work: list[SeqWork], block_size: int, zero_slot: int, device: torch.device,
                         limits: ForwardLimits | None = None, staging=None, token_src: list[int] | None = None,
-                        tokens: torch.Tensor | None = None, shifts: torch.Tensor | None = None) -> ForwardBatch:
+                        tokens: torch.Tensor | None = None, shifts: torch.Tensor | None = None,
+                        metadata: MetadataOps = TORCH_METADATA) -> ForwardBatch:
     """pack_forward unpadded into host buffers (a set of `staging`, engine_ext.staging.Staging, pinned on a GPU;
     without it fresh arrays), moved to `device` in two non-blocking copies; then the device-side sources applied
-    (`apply_sources`: input ids from `tokens` per `token_src`, positions moved by `shifts` per SeqWork.shift). With
-    `limits` (debug mode) the packed indices are bounds-checked first (check_packed)."""
+    (`metadata.apply_sources`: input ids from `tokens` per `token_src`, positions moved by `shifts` per
+    SeqWork.shift). With `limits` (debug mode) the packed indices are bounds-checked first (check_packed)."""
     num_tokens = sum(len(w.token_ids) for w in work)
     # Each row of the packed buffer is one kernel argument: a row stride of a multiple of 16 elements keeps every
     # row 128-byte aligned whatever the token count, so the kernels (which Triton specialises on 16-byte
@@ -191,7 +206,7 @@ def build_forward_batch(work: list[SeqWork], block_size: int, zero_slot: int, de
         moved = [a.to(device) for a in moved]
     dev_rows, dev_tables = moved
     if tokens is not None or shifts is not None:
-        apply_sources(dev_rows[:, :num_tokens], dev_tables, block_size, tokens, shifts)
+        metadata.apply_sources(dev_rows[:, :num_tokens], dev_tables, block_size, tokens, shifts)
     r = [row[:num_tokens] for row in dev_rows.unbind()]
     return ForwardBatch(
         input_ids=r[IDS],

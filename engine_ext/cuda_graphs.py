@@ -15,7 +15,8 @@ kernels read per-token lengths and slots on the device, which is what makes one 
 All per-step metadata is packed on the host (batch.pack_forward, padded to the bucket) into one
 pinned buffer and sent with two non-blocking copies (staging.Staging: each forward in flight packs into its
 own set of pinned buffers), so forwards queue back to back with no host sync: some input ids and positions
-then come from device tensors an earlier forward filled (batch.apply_sources).
+then come from device tensors an earlier forward filled (batch.apply_sources, run by the `metadata` ops the
+backend chose: one Triton launch with layer_ops "triton").
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from collections.abc import Callable
 import torch
 
 from .attention import AttnMetadata
-from .batch import (BUFFER_ROWS, IDS, KV_SLOT, LOGITS, LORA, POS, QIDX, SEQ, ForwardLimits, SeqWork,
-                    advance_forward, apply_sources, check_packed, check_work, pack_forward)
+from .batch import (BUFFER_ROWS, IDS, KV_SLOT, LOGITS, LORA, POS, QIDX, SEQ, TORCH_METADATA, ForwardLimits,
+                    MetadataOps, SeqWork, check_packed, check_work, pack_forward)
 from .staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,9 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches, lora_op, attn_op, block_size: int, max_blocks_per_seq: int,
                  scratch_block: int, max_tokens: int, device: torch.device, group_lora_op=None,
-                 limits: ForwardLimits | None = None):
+                 limits: ForwardLimits | None = None, metadata: MetadataOps = TORCH_METADATA):
         self.model, self.kv_caches, self.lora_op, self.attn_op = model, kv_caches, lora_op, attn_op
+        self.metadata = metadata  # apply_sources and advance_forward on the static rows, before a replay
         self.limits = limits  # debug mode: every replay's inputs are bounds-checked on the host first
         self.group_lora_op = group_lora_op
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
@@ -183,7 +185,7 @@ class DecodeGraphs:
         self.tables[: len(work) + 1].copy_(host.tables[: len(work) + 1], non_blocking=True)
         host.copied.record()
         if tokens is not None or shifts is not None:
-            apply_sources(self.rows[:, :bucket], self.tables, self.block_size, tokens, shifts)
+            self.metadata.apply_sources(self.rows[:, :bucket], self.tables, self.block_size, tokens, shifts)
         key = (bucket, use_lora, multi)
         self._last = (key, num_tokens, num_logits) if num_tokens == len(work) else None
         return self._replay(key, num_logits, owned)
@@ -195,8 +197,8 @@ class DecodeGraphs:
             raise ValueError("relaunch needs a last replay of one token per sequence")
         key, n, num_logits = self._last
         r = self.rows
-        advance_forward(r[IDS, :n], r[POS, :n], r[KV_SLOT, :n], r[SEQ, :n], self.tables, self.block_size, tokens,
-                        start)
+        self.metadata.advance_forward(r[IDS, :n], r[POS, :n], r[KV_SLOT, :n], r[SEQ, :n], self.tables,
+                                      self.block_size, tokens, start)
         return self._replay(key, num_logits, owned)
 
     def _replay(self, key: tuple[int, bool, bool], num_logits: int, owned: bool):

@@ -10,7 +10,8 @@ import torch
 
 from .adapter_slots import AdapterSlots
 from .backend import Backend
-from .batch import ForwardInputError, ForwardLimits, SeqWork, advance_forward, build_forward_batch, check_work
+from .batch import (BUFFER_ROWS, IDS, KV_SLOT, POS, SEQ, ForwardInputError, ForwardLimits, SeqWork,
+                    build_forward_batch, check_work)
 from .block_manager import BlockManager, blocks_for
 from .config import EngineConfig
 from .staging import Staging
@@ -74,6 +75,7 @@ class ModelRunner:
                                     config.max_loras + 1) if config.debug_checks else None
         self.lora_op, self.group_lora_op = backend.lora_op, backend.group_lora_op
         self.attn_kernel = backend.attention
+        self.metadata = backend.metadata
         self.graphs = self._decode_graphs() if config.cuda_graphs else None
         width = -(-self.max_positions // config.block_size)
         self.staging = Staging(config.max_num_batched_tokens + config.max_num_seqs * (lookahead + 1),
@@ -143,8 +145,8 @@ class ModelRunner:
         elif isinstance(self._last, tuple):
             batch, lora = self._last
             a = batch.attn
-            advance_forward(batch.input_ids, a.positions, a.slot_mapping, a.token_seq, a.block_tables,
-                            self.config.block_size, tokens, start)
+            self.metadata.advance_forward(batch.input_ids, a.positions, a.slot_mapping, a.token_seq, a.block_tables,
+                                          self.config.block_size, tokens, start)
             logits = self.model(batch.input_ids, a, self.kv_caches, batch.logits_indices, lora)
             positions = a.positions.index_select(0, batch.logits_indices)
             if owned:
@@ -171,7 +173,7 @@ class ModelRunner:
         if self.limits is not None:
             check_work(work, self.limits, None if tokens is None else tokens.numel(), token_src)
         batch = build_forward_batch(work, self.config.block_size, slots.zero_slot, self.device, self.limits,
-                                    self.staging, token_src, tokens, shifts)
+                                    self.staging, token_src, tokens, shifts, self.metadata)
         batch.attn.kernel = self.attn_kernel
         lora = None
         if use_lora and batch.has_lora:
@@ -224,9 +226,21 @@ class ModelRunner:
                 for table in tables:
                     blocks.free(table)
         blocks.peak_used = peak
+        self._warm_metadata()
         torch.cuda.synchronize(self.device)
         out["eager_warmup_s"] = time.perf_counter() - start
         return out
+
+    def _warm_metadata(self) -> None:
+        """Run the metadata fix-ups once (batch.MetadataOps, which warm-up's forwards, with no device sources, do not
+        run) on scratch rows: the Triton ones compile one variant each, which a forward taking its ids or positions
+        from the device, or a relaunch, would otherwise compile mid-serving."""
+        rows = torch.zeros(BUFFER_ROWS, 1, dtype=torch.long, device=self.device)  # every source entry 0
+        tables = torch.zeros(1, 2, dtype=torch.long, device=self.device)  # position 1's block, whatever block_size
+        tokens = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.metadata.apply_sources(rows, tables, self.config.block_size, tokens, tokens)
+        self.metadata.advance_forward(rows[IDS], rows[POS], rows[KV_SLOT], rows[SEQ], tables, self.config.block_size,
+                                      tokens, 0)
 
     def _decode_graphs(self):
         """CUDA graphs for forwards of up to max_graph_tokens tokens (captured on first use)."""
@@ -236,4 +250,4 @@ class ModelRunner:
         width = -(-self.max_positions // cfg.block_size)
         return DecodeGraphs(self.model, self.kv_caches, self.lora_op, self.attn_kernel, cfg.block_size, width,
                             scratch_block=self.num_blocks, max_tokens=cfg.max_graph_tokens, device=self.device,
-                            group_lora_op=self.group_lora_op, limits=self.limits)
+                            group_lora_op=self.group_lora_op, limits=self.limits, metadata=self.metadata)

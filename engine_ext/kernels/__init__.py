@@ -3,6 +3,8 @@
 - triton_lora: the batched LoRA op (EngineConfig.lora_backend "triton")
 - triton_attention: paged attention (attn_backend "triton")
 - triton_fused: the decoder layer's element-wise work, LoRA folded in at decode sizes (layer_ops "triton")
+- triton_metadata: a forward's metadata fix-ups on the device, batch.apply_sources and batch.advance_forward in
+  one launch each (layer_ops "triton"; nothing in them to tune: they take no settings)
 
 Every launch wrapper takes its launch settings as a KernelSettings (settings.py, EngineConfig.kernels);
 engine_ext.backend binds them. Nothing here imports Triton at package import time, so the CPU build of the

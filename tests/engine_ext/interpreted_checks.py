@@ -2,7 +2,9 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine|fp8|growth
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py GROUP
+
+GROUP: attention, fused, ranks, lora, engine, fp8, growth or metadata (the function of that name below).
 """
 
 from __future__ import annotations
@@ -460,6 +462,42 @@ def growth():
         _, full = t.run(adapters, kernels, None, spec)
         assert grown == full and len(grown) == 3, (grown, full)
         assert grown_engine.adapters.slots.rank == 32 and grown_engine.adapters.slots.generation == 1
+
+
+def metadata():
+    """The metadata fix-ups (apply_sources, advance_forward) against their references, exactly (metadata_cases.py);
+    then a tiny model's speculative cycles with layer_ops "triton" (drafting passes relaunched, every forward's ids and
+    positions from the device) run both kernels and give the plain-torch engine's tokens."""
+    import metadata_cases as m
+    from tiny_models import build_adapter, build_model
+
+    from engine_ext import EngineConfig, LLMEngine, SamplingParams, SpecConfig
+    from engine_ext.kernels import triton_metadata as tm
+
+    assert m.check_apply_sources(tm.apply_sources_triton, "cpu") == len(m.SOURCES) * len(m.SIZES)
+    assert m.check_advance_forward(tm.advance_forward_triton, "cpu") == 4 * len(m.SIZES)
+    m.check_advance_refuses_short_tokens(tm.advance_forward_triton, "cpu")
+
+    root = tempfile.mkdtemp()
+    model = build_model("llama", root + "/m")
+    adapter = build_adapter(model, root + "/a", seed=1, r=8, std=0.03)
+
+    def run(**kw):
+        e = LLMEngine(EngineConfig(model=model, max_loras=2, block_size=4, num_kv_blocks=64, debug_checks=True,
+                                   speculative=SpecConfig(num_draft_tokens=3, gate=False), **kw))
+        e.add_adapter("a", adapter)
+        outs = e.generate(prompt_token_ids=[[1, 2, 3, 4, 5], [7, 8, 9], [3, 3]], adapter_names=["a", None, "a"],
+                          sampling_params=SamplingParams(max_tokens=9, ignore_eos=True))
+        return [o.token_ids for o in outs]
+
+    calls = []
+    for name in ("apply_sources_triton", "advance_forward_triton"):
+        real = getattr(tm, name)
+        setattr(tm, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    ref = run()
+    assert not calls  # the plain-torch engine runs the references
+    assert run(layer_ops="triton") == ref
+    assert {"apply_sources_triton", "advance_forward_triton"} <= set(calls), set(calls)
 
 
 if __name__ == "__main__":

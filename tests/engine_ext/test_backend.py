@@ -8,6 +8,7 @@ import torch
 
 from engine_ext import EngineConfig, KernelSettings
 from engine_ext.backend import Backend
+from engine_ext.batch import TORCH_METADATA, advance_forward, apply_sources
 from engine_ext.lora_ops import add_lora_dense, add_lora_reference
 from engine_ext.model import CausalLM, TorchOps
 from engine_ext.model_config import ModelSpec, RopeSpec
@@ -25,6 +26,8 @@ def test_the_plain_torch_backend(tmp_path, lora_backend, op):
     backend = Backend.from_config(EngineConfig(model=str(tmp_path), lora_backend=lora_backend), torch.device("cpu"))
     assert isinstance(backend.layer_ops, TorchOps)
     assert backend.lora_op is op and backend.group_lora_op is None and backend.attention is None
+    assert backend.metadata is TORCH_METADATA
+    assert TORCH_METADATA.apply_sources is apply_sources and TORCH_METADATA.advance_forward is advance_forward
 
 
 def test_torch_ops_never_take_lora_math():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine_ext.batch import (BUFFER_ROWS, IDS, KV_SLOT, LOGITS, LORA, NUM_ROWS, POS, QIDX, SEQ, SHIFT_SRC, TOKEN_SRC,
-                              SeqWork, apply_sources, build_forward_batch, pack_forward)
+                              MetadataOps, SeqWork, advance_forward, apply_sources, build_forward_batch, pack_forward)
 
 BLOCK, ZERO = 4, 8
 
@@ -90,6 +90,35 @@ def test_sources_take_ids_and_shift_positions_on_the_device():
     assert packed[IDS].tolist() == [5, 11, 13, 12]
     assert packed[POS].tolist() == [2, 3, 4, 5]
     assert packed[KV_SLOT].tolist() == [3 * 4 + 2, 3 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+
+
+def test_sources_leave_the_columns_past_the_slice_and_the_unmoved_tokens_alone():
+    """A graph applies the sources to rows[:, :bucket] of its wider static rows: only shifts here (ids stay), token 0
+    unmoved (its position and slot stay even where they disagree with its table), token 1 moved by shifts[0] = 3."""
+    rows = torch.tensor([[7, 8, 9], [5, 2, 6], [99, 98, 97], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 5],
+                         [-1, 0, 0]])  # [BUFFER_ROWS, 3]: column 2 past the slice
+    apply_sources(rows[:, :2], torch.tensor([[4, 1]]), BLOCK, tokens=None, shifts=torch.tensor([3]))
+    assert rows[IDS].tolist() == [7, 8, 9]
+    assert rows[POS].tolist() == [5, 5, 6] and rows[KV_SLOT].tolist() == [99, 1 * 4 + 1, 97]
+
+
+def test_advance_forward_moves_a_forward_one_position_on():
+    """Each sequence's token at its next position, its id from tokens[start + t], its KV slot from its table (token 0
+    crosses into its second block)."""
+    ids, positions, kv_slots, seq = (torch.tensor(v) for v in ([1, 2], [3, 6], [-1, -1], [1, 0]))
+    advance_forward(ids, positions, kv_slots, seq, torch.tensor([[3, 6], [2, 5]]), BLOCK, torch.arange(10, 20), 4)
+    assert ids.tolist() == [14, 15] and positions.tolist() == [4, 7]
+    assert kv_slots.tolist() == [5 * 4 + 0, 6 * 4 + 3]
+
+
+def test_an_eager_batch_applies_its_sources_with_the_ops_it_is_given():
+    calls = []
+    ops = MetadataOps(apply_sources=lambda rows, *a: calls.append(rows.shape) or apply_sources(rows, *a))
+    work = [SeqWork([0], 2, [3], lora_slot=0, shift=0, shift_max=1)]
+    b = build_forward_batch(work, BLOCK, ZERO, torch.device("cpu"), token_src=[0], tokens=torch.tensor([42]),
+                            shifts=torch.tensor([1]), metadata=ops)
+    assert calls == [(BUFFER_ROWS, 1)]
+    assert b.input_ids.tolist() == [42] and b.attn.positions.tolist() == [3] and b.attn.slot_mapping.tolist() == [15]
 
 
 def test_sources_need_the_buffer_rows():
