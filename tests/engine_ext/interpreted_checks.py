@@ -2,7 +2,7 @@
 torch's), against the plain-torch references. Run by test_kernels_interpreted.py in a subprocess with
 TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
-    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine|fp8|growth
+    TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py attention|fused|ranks|lora|engine|fp8|growth|commit
 """
 
 from __future__ import annotations
@@ -445,6 +445,13 @@ def fp8():
     assert out == ref
     assert engine.runner.model.layers[0].linear.__self__.matmul.func is fp8_linear_triton
     assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton", kernels={"fp8_gemv_tokens": 8})[1] == ref
+
+
+def commit():
+    from commit_cases import check_commit_kernel
+    from engine_ext.kernels.triton_verify import commit_rows_triton
+
+    assert check_commit_kernel(commit_rows_triton, torch.device("cpu")) > 50
 
 
 def growth():
