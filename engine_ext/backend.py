@@ -9,8 +9,8 @@ the config's KernelSettings):
 - layer_ops: the decoder layer's element-wise work (norms, rotary + KV write, SiLU); "triton" fuses it and,
   with lora_backend "triton" too, folds the LoRA math of graph-sized forwards (decode steps, drafting and verify
   passes) into the same kernels. It also picks the forward's metadata fix-ups on the device (batch.MetadataOps:
-  apply_sources and advance_forward), one Triton launch each (kernels/triton_metadata.py) instead of a dozen
-  small torch ops;
+  apply_sources and advance_forward) and a cycle's commit (speculation/verify.commit_rows), one Triton launch
+  each (kernels/triton_metadata.py, kernels/triton_verify.py) instead of a dozen small torch ops;
 - quantization: the decoder layers' product weights, dense or FP8 (quantization.py); FP8 products run the W8A16
   GEMM of kernels/triton_fp8.py with layer_ops "triton", else the plain-torch reference.
 """
@@ -28,6 +28,7 @@ from .config import EngineConfig
 from .lora_ops import LoRAOp, get_lora_op
 from .model import LayerOps, TorchOps
 from .quantization import WeightFormat, weight_format
+from .speculation.verify import commit_rows
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Backend:
     # here on a GPU without FP8 support
     weights: WeightFormat
     metadata: MetadataOps  # the packed metadata's fix-ups on the device (apply_sources, advance_forward)
+    commit: Callable  # what each row of a cycle commits, on the device (verify.commit_rows' signature)
 
     @classmethod
     def from_config(cls, config: EngineConfig, device: torch.device) -> Backend:
@@ -63,17 +65,19 @@ class Backend:
 
             attention = partial(paged_attention_triton, settings=settings)
         layer_ops: LayerOps = TorchOps()
-        metadata = TORCH_METADATA
+        metadata, commit = TORCH_METADATA, commit_rows
         if config.layer_ops == "triton":
             from .kernels.triton_fused import TritonOps
             from .kernels.triton_metadata import advance_forward_triton, apply_sources_triton
+            from .kernels.triton_verify import commit_rows_triton
 
             layer_ops = TritonOps(settings, device)
             metadata = MetadataOps(apply_sources_triton, advance_forward_triton)
+            commit = commit_rows_triton
         fp8_matmul = None
         if config.quantization == "fp8" and config.layer_ops == "triton":
             from .kernels.triton_fp8 import fp8_linear_triton
 
             fp8_matmul = partial(fp8_linear_triton, settings=settings)
         weights = weight_format(config.quantization, device, layer_ops.linear, fp8_matmul)
-        return cls(layer_ops, lora_op, group_lora_op, attention, weights, metadata)
+        return cls(layer_ops, lora_op, group_lora_op, attention, weights, metadata, commit)

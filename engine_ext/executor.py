@@ -25,7 +25,6 @@ from .flight import Flight
 from .sampler import SamplingRows, adjust_logits, sample
 from .sequence import Sequence
 from .speculation.plan import Entry, Forward, Planner, Row, StepPlan
-from .speculation import verify
 from .stats import SpecStats
 
 
@@ -53,6 +52,7 @@ class StepExecutor:
         self.lead = lead
         self.pass_tokens = pass_tokens
         self.counters = counters
+        self.commit = runner.commit  # verify.commit_rows, or its one-launch kernel (the runner's backend)
         self.device = slots.device
         self.cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
@@ -255,32 +255,27 @@ class StepExecutor:
         first rejected draft) gathered on the device, then copied to the host. Rows that commit exactly the one
         token they drew (a plain step) need no verification: their tokens are the flight's `last` as they are."""
         commits = [f + v for f, v in zip(plan.fixed, plan.verified)]
-        if not any(plan.drafts) and all(len(o) == 1 for o in commits):
-            last = self._gather(run.buf, [run.c + o[0] for o in commits])
-            tokens, counts, shift = last[:, None], None, None
+        counted = any(plan.drafts) or any(len(o) != 1 for o in commits)
+        if counted:  # each row's tokens, then its count
+            result, last, shift = self._verified(plan, run)
         else:
-            tokens, counts, last, shift = self._verified(plan, run)
-        host, ready = self._to_host(tokens if counts is None else torch.cat([tokens, counts[:, None]], dim=1), run)
+            last = self._gather(run.buf, [run.c + o[0] for o in commits])
+            result, shift = last[:, None], None
+        host, ready = self._to_host(result, run)
         lo = [len(f) + (len(v) > 0) for f, v in zip(plan.fixed, plan.verified)]
         return Flight(run.seqs, plan, lo, [len(o) for o in commits], last, shift, host, ready, run.marks,
                       run.passes, run.kept, [int(r in run.published) for r in range(len(run.seqs))],
-                      drafts=[len(d) for d in plan.drafts], commits=commits, counted=counts is not None,
+                      drafts=[len(d) for d in plan.drafts], commits=commits, counted=counted,
                       adjusts=any(s.adjusts_logits for s in run.seqs), computed=dict(run.computed),
                       wait_s=run.wait_s, after=run.carry.marks[-1][1] if run.carry is not None and run.carry.marks
                       else None)
 
     def _verified(self, plan: StepPlan, run: _Run):
-        """(tokens [R, L], counts [R], last [R], shift [R] or None) on the device: each row's fixed tokens, then
-        the verify pass's up to and including the first that differs from its draft (verify.py)."""
+        """(tokens and count [R, L + 1], last [R], shift [R] or None) on the device: each row's fixed tokens, then
+        the verify pass's up to and including the first that differs from its draft, then how many (verify.py's
+        commit_rows, or its one-launch kernel)."""
         layout = _Layout.of(plan, run.c)
-        order, draft, target, fixed, verified = self._upload(layout.table)
-        tokens = run.buf[order.clamp_min(0)]
-        accepted = verify.accepted_lengths(run.buf[draft.clamp_min(0)], run.buf[target.clamp_min(0)], draft >= 0)
-        verifies = verified[:, 0] > 0
-        counts = fixed[:, 0] + verifies * (accepted + 1)
-        last = tokens.gather(1, (counts - 1).clamp_min(0)[:, None])[:, 0]
-        shift = verifies * accepted if layout.drafts else None  # committed beyond lo: the accepted drafts
-        return tokens, counts, last, shift
+        return self.commit(run.buf, self._upload(layout.table), layout.drafts > 0)
 
     def _gather(self, buf: torch.Tensor, idx: list[int]) -> torch.Tensor:
         """buf[idx] on the device: a view when idx is a run of consecutive indices (a plain step's rows, mostly)."""

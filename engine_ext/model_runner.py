@@ -76,6 +76,7 @@ class ModelRunner:
         self.lora_op, self.group_lora_op = backend.lora_op, backend.group_lora_op
         self.attn_kernel = backend.attention
         self.metadata = backend.metadata
+        self.commit = backend.commit  # a cycle's commit on the device (StepExecutor)
         self.graphs = self._decode_graphs() if config.cuda_graphs else None
         width = -(-self.max_positions // config.block_size)
         self.staging = Staging(config.max_num_batched_tokens + config.max_num_seqs * (lookahead + 1),
@@ -233,14 +234,16 @@ class ModelRunner:
 
     def _warm_metadata(self) -> None:
         """Run the metadata fix-ups once (batch.MetadataOps, which warm-up's forwards, with no device sources, do not
-        run) on scratch rows: the Triton ones compile one variant each, which a forward taking its ids or positions
-        from the device, or a relaunch, would otherwise compile mid-serving."""
+        run) and a cycle's commit (`commit`) on scratch rows: the Triton ones compile one variant each, which a
+        forward taking its ids or positions from the device, a relaunch or a cycle would otherwise compile
+        mid-serving."""
         rows = torch.zeros(BUFFER_ROWS, 1, dtype=torch.long, device=self.device)  # every source entry 0
         tables = torch.zeros(1, 2, dtype=torch.long, device=self.device)  # position 1's block, whatever block_size
         tokens = torch.zeros(1, dtype=torch.long, device=self.device)
         self.metadata.apply_sources(rows, tables, self.config.block_size, tokens, tokens)
         self.metadata.advance_forward(rows[IDS], rows[POS], rows[KV_SLOT], rows[SEQ], tables, self.config.block_size,
                                       tokens, 0)
+        self.commit(tokens, torch.zeros(5, 1, 1, dtype=torch.long, device=self.device), True)
 
     def _decode_graphs(self):
         """CUDA graphs for forwards of up to max_graph_tokens tokens (captured on first use)."""

@@ -4,7 +4,7 @@ TRITON_INTERPRET=1 (it must be set before the kernels are defined):
 
     TRITON_INTERPRET=1 python tests/engine_ext/interpreted_checks.py GROUP
 
-GROUP: attention, fused, ranks, lora, engine, fp8, growth or metadata (the function of that name below).
+GROUP: attention, fused, ranks, lora, engine, fp8, growth, metadata or commit (the function of that name below).
 """
 
 from __future__ import annotations
@@ -447,6 +447,13 @@ def fp8():
     assert out == ref
     assert engine.runner.model.layers[0].linear.__self__.matmul.func is fp8_linear_triton
     assert run(lora_backend="triton", attn_backend="triton", layer_ops="triton", kernels={"fp8_gemv_tokens": 8})[1] == ref
+
+
+def commit():
+    from commit_cases import check_commit_kernel
+    from engine_ext.kernels.triton_verify import commit_rows_triton
+
+    assert check_commit_kernel(commit_rows_triton, torch.device("cpu")) > 50
 
 
 def growth():

@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("check", ["attention", "fused", "ranks", "lora", "engine", "fp8", "growth", "metadata"])
+@pytest.mark.parametrize("check", ["attention", "fused", "ranks", "lora", "engine", "fp8", "growth", "metadata",
+                                   "commit"])
 def test_kernel_logic_under_the_interpreter(check):
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(HERE, "interpreted_checks.py"), check], env=env,
