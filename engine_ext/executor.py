@@ -119,7 +119,7 @@ class StepExecutor:
                 started=self._restart(run) if kind == "plain" else None)
             tokens_in = sum(len(w.token_ids) for w in work)
         self._keep(fwd, run, logits)  # raw rows: logprobs and returned logits are the model's, before adjustments
-        tokens = self._sample(fwd, run.seqs, logits, positions)
+        tokens = self._sample(fwd, run, logits, positions)
         run.buf[run.c + fwd.out : run.c + fwd.out + len(tokens)] = tokens
         run.marks[-1][1] = self._mark(run)
         kind = "prompted" if any(e.prompt for e in fwd.entries) else kind
@@ -142,10 +142,12 @@ class StepExecutor:
                    and a.lora == b.lora and b.offset == a.offset + 1 and b.srcs[0] == prev.out + k
                    for k, (a, b) in enumerate(zip(prev.entries, fwd.entries)))
 
-    def _sample(self, fwd: Forward, seqs: list[Sequence], logits: torch.Tensor, positions: torch.Tensor):
+    def _sample(self, fwd: Forward, run: _Run, logits: torch.Tensor, positions: torch.Tensor):
         """The forward's logits rows drawn on the device: an argmax when every row is greedy with nothing to adjust,
         else each row with its request's params and noise key."""
-        rows = [seqs[e.row] for e in fwd.entries for _ in range(e.logits)]
+        if run.plain:  # (every row of the step: no per-row list to build)
+            return logits.argmax(dim=-1)
+        rows = [run.seqs[e.row] for e in fwd.entries for _ in range(e.logits)]
         if all(s.plain_row for s in rows):
             return logits.argmax(dim=-1)
         params = [s.params for s in rows]
@@ -178,6 +180,8 @@ class StepExecutor:
 
     def _keep(self, fwd: Forward, run: _Run, logits: torch.Tensor) -> None:
         """Logits rows of the entries whose requests return them (logprobs, return_logits), by buffer index."""
+        if not run.keeps:
+            return
         n = 0
         for e in fwd.entries:
             if run.seqs[e.row].params.needs_rows:
@@ -196,7 +200,7 @@ class StepExecutor:
             self._first_tokens(step, planner.plan, run, j - 1 - self.lead)
         seqs, rows = step.join()
         if seqs:
-            run.seqs += seqs
+            run.join(seqs)
             planner.add(rows)
             if self.counters is not None:
                 self.counters.joined += len(seqs)
@@ -317,6 +321,20 @@ class _Run:
     computed: dict = field(default_factory=dict)
     wait_s: float = 0.0
     stream: torch.cuda.Stream | None = None  # the stream its forwards are queued on (on a GPU), where its marks go
+    # Per-row needs of every row, read by each forward: all greedy with nothing to adjust (an argmax draws them all);
+    # any that returns logits rows (logprobs, return_logits)
+    plain: bool = field(init=False)
+    keeps: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain = all(s.plain_row for s in self.seqs)
+        self.keeps = any(s.params.needs_rows for s in self.seqs)
+
+    def join(self, seqs: list[Sequence]) -> None:
+        """Sequences admitted between passes: rows of the passes still to come."""
+        self.seqs += seqs
+        self.plain = self.plain and all(s.plain_row for s in seqs)
+        self.keeps = self.keeps or any(s.params.needs_rows for s in seqs)
 
 
 @dataclass

@@ -60,6 +60,7 @@ class ModelRunner:
         self.model.load_weights(config.model)
         self.model.eval()
         self.max_positions = max_model_len + lookahead + 1  # a token may sit `lookahead` past the limit
+        self.lookahead = lookahead
         self.model.build_rope_table(self.max_positions)
         # every rank's cache has as many blocks: the block manager's ids address all of them
         self.num_blocks = comm.min_int(_kv_blocks(config, local, device, self.max_positions))
@@ -243,7 +244,10 @@ class ModelRunner:
         self.metadata.apply_sources(rows, tables, self.config.block_size, tokens, tokens)
         self.metadata.advance_forward(rows[IDS], rows[POS], rows[KV_SLOT], rows[SEQ], tables, self.config.block_size,
                                       tokens, 0)
-        self.commit(tokens, torch.zeros(5, 1, 1, dtype=torch.long, device=self.device), True)
+        # a cycle's commit lanes are 1 to 2k + 1 wide (k fixed tokens, k + 1 verified): the kernel's narrowest and
+        # widest variants
+        for width in {1, 2 * self.lookahead + 1}:
+            self.commit(tokens, torch.zeros(5, 1, width, dtype=torch.long, device=self.device), True)
 
     def _decode_graphs(self):
         """CUDA graphs for forwards of up to max_graph_tokens tokens (captured on first use)."""
