@@ -5,6 +5,7 @@
 - triton_fused: the decoder layer's element-wise work, LoRA folded in at decode sizes (layer_ops "triton")
 - triton_metadata: a forward's metadata fix-ups on the device, batch.apply_sources and batch.advance_forward in
   one launch each (layer_ops "triton"; nothing in them to tune: they take no settings)
+- triton_verify: a cycle's commit (speculation/verify.commit_rows) in one launch (layer_ops "triton"; no settings)
 
 Every launch wrapper takes its launch settings as a KernelSettings (settings.py, EngineConfig.kernels);
 engine_ext.backend binds them. Nothing here imports Triton at package import time, so the CPU build of the
