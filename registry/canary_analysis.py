@@ -24,7 +24,7 @@ from registry.canary_policy import RolloutPolicy, Thresholds
 from registry.rollout_state import Baseline, Check
 
 __all__ = ["LATENCY_BOUNDS", "CHECKS", "bucket_of", "flat_counters", "baseline", "window", "Window", "judge",
-           "not_compared", "window_closed"]
+           "not_compared", "window_closed", "drafted_enough"]
 
 # Every check `judge` may apply, in its order
 CHECKS = ("error_rate", "refusal_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "output_length_max",
@@ -135,9 +135,16 @@ def window(reports: Mapping[str, Mapping[str, Any]], base: Baseline, key: str) -
 
 
 def window_closed(policy: RolloutPolicy, canary: Window, stable: Window, elapsed_s: float) -> bool:
-    """The step's window is full: enough canary requests (at least one), enough stable ones, long enough."""
+    """The step's window is full: enough canary requests (at least one), enough stable ones, long enough, and (with
+    thresholds.require_draft_acceptance) enough drafts of each to compare their acceptance."""
+    t = policy.thresholds
     return (canary.requests >= max(1, policy.window_requests) and stable.requests >= policy.min_stable_requests
-            and elapsed_s >= policy.window_s)
+            and elapsed_s >= policy.window_s and (not t.require_draft_acceptance or drafted_enough(t, canary, stable)))
+
+
+def drafted_enough(t: Thresholds, canary: Window, stable: Window) -> bool:
+    """Both versions drafted min_drafted_tokens in the window: their acceptance can be compared."""
+    return canary.get("drafted") >= t.min_drafted_tokens and stable.get("drafted") >= t.min_drafted_tokens
 
 
 def _upper(name: str, c: Optional[float], s: Optional[float], limit_of) -> Optional[Check]:
@@ -173,7 +180,7 @@ def judge(t: Thresholds, c: Window, s: Window) -> list[Check]:
         shift = 0.5 * sum(abs(cf.get(k, 0.0) - sf.get(k, 0.0)) for k in set(cf) | set(sf))
         checks.append(Check(name="finish_reason_shift", canary=shift, stable=0.0, limit=t.max_finish_reason_shift,
                             passed=shift <= t.max_finish_reason_shift + 1e-12))
-    if c.get("drafted") >= t.min_drafted_tokens and s.get("drafted") >= t.min_drafted_tokens:
+    if drafted_enough(t, c, s):
         # Two-sided: a version that answers differently moves the base model's acceptance of its drafts, down when
         # it says other things than the base would, up when it degenerates into text the base predicts (a loop).
         ca, sa = c.acceptance(), s.acceptance()

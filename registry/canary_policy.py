@@ -12,7 +12,8 @@ import json
 import re
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 __all__ = ["Thresholds", "RolloutPolicy", "GoldenPrompt", "GoldenMessage", "golden_failure", "MAX_GOLDEN"]
 
@@ -48,6 +49,10 @@ class Thresholds(_Strict):
                                         "repeats itself is drafted almost perfectly); 1: a rise never fails")
     min_drafted_tokens: StrictInt = Field(32, ge=1, description="drafted tokens each version needs in the window "
                                           "before acceptance is compared (speculation may be gated off)")
+    require_draft_acceptance: StrictBool = Field(False, description="true: a window stays open until each version "
+                                                 "has min_drafted_tokens drafts, so the acceptance is always compared "
+                                                 "(one that cannot get them by step_timeout_s rolls back); false: a "
+                                                 "window without them is judged on the other checks")
 
 
 class RolloutPolicy(_Strict):

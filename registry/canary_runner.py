@@ -148,8 +148,11 @@ class RolloutRunner:
         if not window_closed(r.policy, c, s, elapsed):
             if elapsed < r.policy.step_timeout_s:
                 return None
+            drafts = (f", {int(c.get('drafted'))} and {int(s.get('drafted'))} drafted tokens (each needs "
+                      f"{r.policy.thresholds.min_drafted_tokens})" if r.policy.thresholds.require_draft_acceptance
+                      else "")
             reason = (f"step {r.step}'s window did not fill in {r.policy.step_timeout_s:g} s: {int(c.requests)} "
-                      f"canary and {int(s.requests)} stable requests; the canary could not be judged")
+                      f"canary and {int(s.requests)} stable requests{drafts}; the canary could not be judged")
             await self._commit(state.name, "rollout_rollback", r, {
                 "ended_at": now, "reason": reason,
                 "result": StepResult(verdict="timed_out", **result).model_dump(mode="json")})

@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--min-stable-requests", type=int, help="start: stable requests per window (default 10)")
     sp.add_argument("--step-timeout-s", type=float, help="start: a window not filled by then rolls back")
     sp.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
-                    help="start: a threshold (registry.canary_policy.Thresholds), repeatable, e.g. ttft_p99_ratio=3")
+                    help="start: a threshold (registry.canary_policy.Thresholds), repeatable, e.g. ttft_p99_ratio=3 "
+                         "or require_draft_acceptance=true")
     sp.add_argument("--policy", help="start: a JSON file with the whole policy (the flags above override it)")
     sp = sub.add_parser("golden", help="register a version's golden prompts from a JSON file (a list of {prompt or "
                         "messages, max_tokens, and one of exact, regex, json_schema}); [] removes them")
@@ -468,8 +469,12 @@ def _canary(args, backend) -> Any:
         key, sep, value = item.partition("=")
         if not sep:
             raise CliError(f"--threshold takes NAME=VALUE, got {item!r}")
-        policy.setdefault("thresholds", {})[key] = _number(value)
+        policy.setdefault("thresholds", {})[key] = _flag(value) if value in ("true", "false") else _number(value)
     return backend.rollout(words[1], "start", {"version": _version(words[2]), "policy": policy})
+
+
+def _flag(text: str) -> bool:
+    return text == "true"
 
 
 def _version(text: str) -> int:

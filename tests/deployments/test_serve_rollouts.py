@@ -160,9 +160,11 @@ def test_a_version_failing_its_golden_prompts_gets_no_traffic(rollout_app):
 def test_a_noisy_version_is_rolled_back_on_its_metrics_within_one_window(rollout_app):
     app, client, model = rollout_app
     base = app.base_url
-    # Enough drafts for the acceptance check in the first window: on a CPU the gate drafts little (plain steps cost
-    # less), and a noisy version's drafts, rejected, soon stop; its acceptance (about 0.1 against 1) is plain from 4
-    _start(base, 4, steps=[0.5, 0.8], window_requests=10, thresholds={**POLICY["thresholds"], "min_drafted_tokens": 4})
+    # The window waits for drafts of both versions (require_draft_acceptance): on a CPU the gate drafts little (plain
+    # steps cost less, more so under load), and a noisy version's drafts, rejected, soon stop; its acceptance (about
+    # 0.1 against 1) is plain from 4
+    _start(base, 4, steps=[0.5, 0.8], window_requests=10,
+           thresholds={**POLICY["thresholds"], "min_drafted_tokens": 4, "require_draft_acceptance": True})
     _wait(base, lambda s: s["rollout"]["phase"] == "running")
     with Traffic(client, model):
         done = _wait(base, lambda s: s["rollout"]["phase"] != "running")

@@ -146,6 +146,23 @@ def test_the_window_closes_on_requests_and_seconds_together():
     assert window_closed(policy, five, three, 10)
 
 
+def test_a_window_that_requires_the_acceptance_stays_open_until_both_versions_drafted_enough():
+    """With require_draft_acceptance a window full of requests waits for min_drafted_tokens drafts of each version
+    (the gate may draft little), so a version is never passed without its acceptance compared; without it, it closes
+    and is judged on the rest."""
+    required = RolloutPolicy(window_requests=5, window_s=0, min_stable_requests=3,
+                             thresholds={"min_drafted_tokens": 8, "require_draft_acceptance": True})
+    lenient = RolloutPolicy(window_requests=5, window_s=0, min_stable_requests=3, thresholds={"min_drafted_tokens": 8})
+    five = lambda st, c: serve(st, c, "k@1", 5)  # noqa: E731
+    few, enough = _win(five, 7, 1), _win(five, 8, 1)
+    assert window_closed(lenient, few, enough, 0) and window_closed(lenient, enough, few, 0)
+    assert not window_closed(required, few, enough, 0) and not window_closed(required, enough, few, 0)
+    assert window_closed(required, enough, enough, 0)
+    assert not window_closed(required, _win(lambda st, c: serve(st, c, "k@1", 4), 100, 90), enough, 0)  # requests too
+    checks = judge(required.thresholds, enough, _win(five, 8, 8))
+    assert {c.name for c in checks if not c.passed} == {"draft_acceptance_min"}
+
+
 @pytest.mark.parametrize("policy", [
     {"steps": [0.5, 0.25]}, {"steps": [0.0, 0.5]}, {"steps": [0.5, 1.0]}, {"steps": []},
     {"thresholds": {"ttft_p99_ratio": 0.9}}, {"thresholds": {"max_error_rate_increase": 1.5}},

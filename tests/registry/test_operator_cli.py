@@ -184,3 +184,25 @@ def test_uploads_reports_the_upload_area(cli_env, capsys, monkeypatch, tmp_path)
     assert code == 0, err
     assert usage["bytes"] == 2 and usage["max_bytes"] == 4096 and usage["ttl_s"] == 86400
     assert [(s["upload_id"], s["files"]) for s in usage["sessions"]] == [("half-done-01", 1)]
+
+
+def test_canary_start_thresholds_take_numbers_and_true_or_false():
+    """`--threshold` values reach the rollout policy typed: numbers as numbers, true/false as booleans (the policy's
+    StrictBool refuses a string); anything else is refused before any request."""
+    from registry.cli import CliError, _canary, build_parser
+
+    class Backend:  # the control plane faked: the policy the CLI would send
+        def rollout(self, name, verb, body=None):
+            return {"name": name, "verb": verb, "body": body}
+
+    args = build_parser().parse_args(["canary", "start", "faq", "2", "--threshold", "require_draft_acceptance=true",
+                                      "--threshold", "ttft_p99_ratio=3", "--threshold", "latency_slack_s=0.5"])
+    sent = _canary(args, Backend())
+    assert sent["body"]["policy"]["thresholds"] == {"require_draft_acceptance": True, "ttft_p99_ratio": 3,
+                                                    "latency_slack_s": 0.5}
+    from registry.canary_policy import RolloutPolicy
+
+    assert RolloutPolicy.model_validate(sent["body"]["policy"]).thresholds.require_draft_acceptance is True
+    with pytest.raises(CliError):
+        _canary(build_parser().parse_args(["canary", "start", "faq", "2", "--threshold", "ttft_p99_ratio=yes"]),
+                Backend())

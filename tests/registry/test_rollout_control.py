@@ -127,6 +127,35 @@ def test_a_regression_on_one_replicas_share_rolls_back(setup):
     assert state.rollout.steps[-1].verdict == "failed"
 
 
+REQUIRED = {**FAST, "step_timeout_s": 100, "thresholds": {"min_drafted_tokens": 8, "require_draft_acceptance": True}}
+
+
+@pytest.mark.parametrize("drafts", ["arrive", "never"])
+def test_a_rollout_that_requires_the_acceptance_waits_for_drafts(setup, drafts):
+    """A canary whose window is full of requests but drafted nothing (the gate ran plain steps) is not judged yet;
+    its drafts, once they come, decide it (here mostly rejected: rolled back on the acceptance); if they never
+    come, the step times out and says why."""
+    reg, client, answers = setup
+    client.post("/v1/adapters/ad/rollout", headers=AUTH, json={"version": 3, "policy": REQUIRED}).raise_for_status()
+    fleet = Fleet("r1")
+    runner = RolloutRunner(reg, fleet.reports, answers.generate, clock=fleet.clock)
+    asyncio.run(runner.scan())
+    assert _run(runner) == {"ad": "step 0"}
+    serve(fleet.stats["r1"], fleet.clock, "ad@3", 6)  # requests, no drafts
+    fleet.traffic("r1", "ad@1", 10)
+    assert _run(runner) == {} and reg.get("ad").canary_version == 3  # still open
+    if drafts == "arrive":
+        fleet.traffic("r1", "ad@3", 1, accept=0.1)
+    else:
+        fleet.clock.t += 101
+    assert _run(runner) == {"ad": "rolled_back"}
+    reason = reg.audit("ad", limit=1, newest_first=True)[0].details["reason"]
+    if drafts == "arrive":
+        assert "draft_acceptance_min" in reason and reg.get("ad").rollout.steps[-1].verdict == "failed"
+    else:
+        assert "0 and 80 drafted tokens (each needs 8)" in reason, reason
+
+
 def test_golden_prompts_that_fail_on_the_canary_give_it_no_traffic(setup):
     reg, client, answers = setup
     client.put("/v1/adapters/ad/versions/3/golden", headers=AUTH,
