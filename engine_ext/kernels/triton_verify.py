@@ -34,10 +34,10 @@ def _commit_kernel(buf_ptr, lanes_ptr, out_ptr, last_ptr, shift_ptr, R, W, strid
     tokens = tl.load(buf_ptr + tl.maximum(order, 0), mask=inside, other=0)
     drawn = tl.load(buf_ptr + tl.maximum(draft, 0), mask=inside, other=0)
     wanted = tl.load(buf_ptr + tl.maximum(target, 0), mask=inside, other=0)
-    # accepted: the leading drafts equal to their target (the first lane that is not, or W)
-    miss = (drawn != wanted) | (draft < 0) | (w >= W)
+    # accepted: the leading drafts equal to their target (the first lane that is not a draft or differs; lanes past
+    # W read as no draft)
+    miss = (drawn != wanted) | (draft < 0)
     accepted = tl.min(tl.where(miss, w, BLOCK_W), axis=0).to(tl.int64)
-    accepted = tl.minimum(accepted, W)
     count = fixed + verifies * (accepted + 1)
     tl.store(out_ptr + r * stride_out + w, tokens, mask=inside)
     tl.store(out_ptr + r * stride_out + W, count)
