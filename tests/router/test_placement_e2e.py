@@ -186,6 +186,8 @@ def test_rising_adapter_pinned_on_two_devices_before_its_peak_and_survives_a_rep
         # the controller's plan drops the dead replica and the (>= 2) homes it names hold the adapter
         with httpx.Client(base_url=base, timeout=30) as http:
             plan = http.get("/admin/v1/placement", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        if RISING not in plan["adapters"]:  # (once in CI a plan right after the kill did not name it: not yet)
+            return None
         homes = set(plan["adapters"][RISING]["homes"])
         d = describe_all()
         return victim not in plan["replicas"] and len(homes) >= 2 and homes <= on_device(key, d)
